@@ -1,0 +1,29 @@
+"""forgeax: fast, differentiable accelerator kernels for JAX.
+
+    import forgeax
+    from forgeax import ops
+    y = ops.rms_norm(x, scale)
+    print(forgeax.explain(lambda x: ops.rms_norm(x, scale), x))
+"""
+
+from forgeax import ops
+from forgeax.ops.interface import (
+    Implementation,
+    UnsupportedError,
+    define_op,
+    explain,
+    interpret_mode,
+    register_backend,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Implementation",
+    "UnsupportedError",
+    "define_op",
+    "explain",
+    "interpret_mode",
+    "ops",
+    "register_backend",
+]

@@ -1,0 +1,1 @@
+"""Helpers shared by every backend (row flattening, tolerances of kernels, block sizes)."""

@@ -1,0 +1,1 @@
+"""Pallas kernels: gpu/ (Mosaic GPU, Hopper) and tpu/ (Mosaic TPU)."""

@@ -1,0 +1,1 @@
+"""Mosaic GPU kernels written with plgpu.kernel (Hopper and newer)."""

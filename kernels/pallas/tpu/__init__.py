@@ -1,0 +1,1 @@
+"""Mosaic TPU kernels (pl.pallas_call with TPU compiler params)."""

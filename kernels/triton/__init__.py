@@ -1,0 +1,1 @@
+"""Triton kernels called through jax-triton (NVIDIA GPUs; Triton interpreter on CPU)."""

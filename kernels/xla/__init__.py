@@ -1,0 +1,1 @@
+"""XLA references: plain jax.numpy, f32 statistics; the oracle every other backend is tested against."""

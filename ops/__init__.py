@@ -1,0 +1,37 @@
+"""forgeax.ops: the public functions. Each picks the best backend for the call.
+
+    from forgeax import ops
+    y = ops.rms_norm(x, scale)                    # best backend for this device
+    y = ops.rms_norm(x, scale, backend="triton")  # that backend, or UnsupportedError
+"""
+
+from forgeax.ops.interface import (
+    OPS,
+    Decision,
+    Explanation,
+    Implementation,
+    UnsupportedError,
+    current_platform,
+    define_op,
+    explain,
+    interpret_enabled,
+    interpret_mode,
+    register_backend,
+)
+from forgeax.ops.norms import layer_norm, rms_norm
+
+__all__ = [
+    "OPS",
+    "Decision",
+    "Explanation",
+    "Implementation",
+    "UnsupportedError",
+    "current_platform",
+    "define_op",
+    "explain",
+    "interpret_enabled",
+    "interpret_mode",
+    "layer_norm",
+    "register_backend",
+    "rms_norm",
+]

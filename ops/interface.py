@@ -1,0 +1,312 @@
+"""The shared interface every op and backend is written against.
+
+An *op* (`Op`) is one public function's contract: a name, the backends that
+implement it (by module path, loaded lazily), and a per-platform priority. A
+*backend implementation* (`Implementation`) is a function with exactly the op's
+signature (minus `backend=`), the platforms it runs on natively, whether it runs
+on CPU in interpret mode, and a `supports(...)` predicate that returns `None` for
+"yes" or a sentence saying why not.
+
+Selection, written once for every op:
+  * `backend=None`: walk the op's priority for this platform, take the first
+    implementation that loads, runs on this platform and `supports(...)` the
+    call; `xla` is always the last resort.
+  * `backend="<name>"`: that implementation, or `UnsupportedError` with the
+    reason. `"pallas"` is an alias for the Pallas variant of this platform
+    (`pallas_gpu` on GPUs, `pallas_tpu` on TPUs).
+
+The only mutable state is the explicit registry (`OPS`), the lazily-loaded
+implementation cache inside each `Op`, and the recorder `explain` installs for
+the duration of one trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import importlib
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+
+__all__ = [
+    "Decision",
+    "Explanation",
+    "Implementation",
+    "Op",
+    "OPS",
+    "UnsupportedError",
+    "current_platform",
+    "define_op",
+    "explain",
+    "interpret_enabled",
+    "interpret_mode",
+    "register_backend",
+]
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+# Backend names that ship with forgeax. Users may register others.
+BUILTIN_BACKENDS = ("xla", "triton", "pallas_gpu", "pallas_tpu")
+
+# "pallas" names the Pallas variant that targets the current platform.
+_PALLAS_ALIAS = {"gpu": ("pallas_gpu",), "tpu": ("pallas_tpu",), "cpu": ("pallas_gpu", "pallas_tpu")}
+
+
+class UnsupportedError(NotImplementedError):
+    """An explicitly requested backend cannot handle this call (the message says why)."""
+
+
+# ----------------------------------------------------------------------------- runtime
+
+_INTERPRET = contextvars.ContextVar("forgeax_interpret", default=None)
+
+
+def interpret_enabled() -> bool:
+    """Whether kernels should run in their CPU interpreters.
+
+    True inside `with interpret_mode():`, else when the environment variable
+    FORGEAX_INTERPRET is set to a true value (1/true/yes).
+    """
+    forced = _INTERPRET.get()
+    if forced is not None:
+        return forced
+    return os.environ.get("FORGEAX_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def interpret_mode(enabled: bool = True) -> Iterator[None]:
+    """Run Pallas and Triton kernels in their interpreters (CPU) within this block.
+
+    Kernels decide at trace time, so a function jitted outside the block keeps
+    the mode it was traced with.
+    """
+    token = _INTERPRET.set(enabled)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def current_platform() -> str:
+    """'cpu', 'gpu' or 'tpu': the platform of JAX's default backend."""
+    backend = jax.default_backend()
+    if backend in ("cuda", "rocm", "gpu"):
+        return "gpu"
+    return backend if backend in PLATFORMS else "cpu"
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+def _supports_everything(*args: Any, **kwargs: Any) -> str | None:
+    del args, kwargs
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One backend's implementation of one op.
+
+    Attributes:
+      fn: the implementation; same positional and keyword arguments as the
+        public op, without `backend`. Must be differentiable (a `custom_vjp`
+        for kernels) and traceable under `jax.jit`.
+      platforms: platforms where it runs natively.
+      interpretable: whether it also runs on CPU when `interpret_enabled()`.
+      supports: `supports(*args, **kwargs) -> None | str`; `None` if the call is
+        handled, else the reason it is not. Called with the op's arguments
+        (arrays may be tracers: look at shapes and dtypes only).
+    """
+
+    fn: Callable[..., Any]
+    platforms: frozenset[str] = frozenset(PLATFORMS)
+    interpretable: bool = False
+    supports: Callable[..., str | None] = _supports_everything
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "platforms", frozenset(self.platforms))
+        unknown = self.platforms - set(PLATFORMS)
+        if unknown:
+            raise ValueError(f"platforms: unknown {sorted(unknown)}; expected a subset of {PLATFORMS}")
+
+    def why_not(self, platform: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+        """None if this implementation can run the call on `platform`, else why not."""
+        if platform not in self.platforms:
+            if not (platform == "cpu" and self.interpretable and interpret_enabled()):
+                hint = " (set FORGEAX_INTERPRET=1 to run its interpreter on CPU)" if self.interpretable else ""
+                return f"runs on {'/'.join(sorted(self.platforms))}, this is {platform}{hint}"
+        return self.supports(*args, **kwargs)
+
+
+# A registry entry is an Implementation, or "module.path:ATTRIBUTE" naming one.
+ImplementationRef = Implementation | str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Which backend one op call used, and why each better-ranked one was skipped."""
+
+    op: str
+    backend: str
+    skipped: tuple[tuple[str, str], ...]
+    shapes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}({', '.join(self.shapes)}) -> {self.backend}"]
+        lines += [f"    skipped {name}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+
+_RECORDER: contextvars.ContextVar[list[Decision] | None] = contextvars.ContextVar("forgeax_recorder", default=None)
+
+
+def _describe(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{jax.numpy.dtype(value.dtype).name}{list(value.shape)}"
+    return repr(value)
+
+
+class Op:
+    """One op: its backends (lazily loaded), their priority, and dispatch."""
+
+    def __init__(
+        self,
+        name: str,
+        backends: Mapping[str, ImplementationRef],
+        priority: Mapping[str, Sequence[str]],
+    ) -> None:
+        if "xla" not in backends:
+            raise ValueError(f"op {name!r}: backends must include the 'xla' reference")
+        self.name = name
+        self._refs: dict[str, ImplementationRef] = dict(backends)
+        self._loaded: dict[str, Implementation | str] = {}  # cache: Implementation or import error
+        self._priority: dict[str, tuple[str, ...]] = {p: tuple(priority.get(p, ())) for p in PLATFORMS}
+
+    # -- registry ---------------------------------------------------------------------------
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(self._refs)
+
+    def priority(self, platform: str) -> tuple[str, ...]:
+        """Backends tried by `backend=None` on `platform`, best first; `xla` last."""
+        order = [b for b in self._priority.get(platform, ()) if b in self._refs and b != "xla"]
+        return tuple(order) + ("xla",)
+
+    def add_backend(self, backend: str, impl: ImplementationRef, *, prefer_on: Sequence[str] = ()) -> None:
+        """Registers (or replaces) `backend`; `prefer_on` puts it first on those platforms."""
+        self._refs[backend] = impl
+        self._loaded.pop(backend, None)
+        for platform in prefer_on:
+            if platform not in PLATFORMS:
+                raise ValueError(f"prefer_on: unknown platform {platform!r}; expected one of {PLATFORMS}")
+            rest = tuple(b for b in self._priority[platform] if b != backend)
+            self._priority[platform] = (backend,) + rest
+
+    def implementation(self, backend: str) -> Implementation | str:
+        """The loaded Implementation, or a string saying why it could not be loaded."""
+        if backend not in self._loaded:
+            ref = self._refs[backend]
+            if isinstance(ref, Implementation):
+                self._loaded[backend] = ref
+            else:
+                module_name, _, attr = ref.partition(":")
+                try:
+                    impl = getattr(importlib.import_module(module_name), attr)
+                except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip
+                    impl = f"could not import {ref}: {type(e).__name__}: {e}"
+                self._loaded[backend] = impl
+        return self._loaded[backend]
+
+    # -- selection --------------------------------------------------------------------------
+    def _candidates(self, backend: str | None, platform: str) -> tuple[str, ...]:
+        if backend is None:
+            return self.priority(platform)
+        if backend == "pallas" and "pallas" not in self._refs:
+            return tuple(b for b in _PALLAS_ALIAS[platform] if b in self._refs) or ("pallas_gpu",)
+        if not isinstance(backend, str) or backend not in self._refs:
+            known = sorted(set(self._refs) | ({"pallas"} if any(b.startswith("pallas_") for b in self._refs) else set()))
+            raise ValueError(f"backend: unknown backend {backend!r} for {self.name}; expected None or one of {known}")
+        return (backend,)
+
+    def select(self, backend: str | None, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[str, Implementation, tuple[tuple[str, str], ...]]:
+        """(name, implementation, skipped) for this call; raises UnsupportedError if an explicit choice cannot run it."""
+        platform = current_platform()
+        skipped: list[tuple[str, str]] = []
+        for name in self._candidates(backend, platform):
+            impl = self.implementation(name) if name in self._refs else f"{name} is not registered for {self.name}"
+            reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
+            if reason is None:
+                return name, impl, tuple(skipped)
+            skipped.append((name, reason))
+        detail = "; ".join(f"{n}: {r}" for n, r in skipped)
+        raise UnsupportedError(f"{self.name}: backend={backend!r} cannot run this call on {platform}: {detail}")
+
+    def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
+        name, impl, skipped = self.select(backend, args, kwargs)
+        recorder = _RECORDER.get()
+        if recorder is not None:
+            shapes = tuple(_describe(a) for a in args)
+            recorder.append(Decision(self.name, name, skipped, shapes))
+        return impl.fn(*args, **kwargs)
+
+
+# The registry: op name -> Op.
+OPS: dict[str, Op] = {}
+
+
+def define_op(name: str, backends: Mapping[str, ImplementationRef], priority: Mapping[str, Sequence[str]]) -> Op:
+    """Creates and registers a new op (forgeax's own ops are defined this way too)."""
+    if name in OPS:
+        raise ValueError(f"name: op {name!r} is already defined")
+    op = Op(name, backends, priority)
+    OPS[name] = op
+    return op
+
+
+def register_backend(op: str, backend: str, impl: ImplementationRef, *, prefer_on: Sequence[str] = ()) -> None:
+    """Registers a user implementation `backend` for `op` (an existing op name).
+
+    `prefer_on=("gpu",)` makes `backend=None` try it first on GPUs; otherwise it
+    is used only when asked for by name.
+    """
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r}; expected one of {sorted(OPS)}")
+    OPS[op].add_backend(backend, impl, prefer_on=prefer_on)
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The backend decisions of every forgeax op call in one traced function."""
+
+    decisions: tuple[Decision, ...]
+
+    def __str__(self) -> str:
+        if not self.decisions:
+            return "no forgeax op calls"
+        return "\n".join(str(d) for d in self.decisions)
+
+    def backends(self) -> tuple[str, ...]:
+        return tuple(d.backend for d in self.decisions)
+
+
+def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Explanation:
+    """Traces `fn(*args, **kwargs)` abstractly and reports each op's backend choice.
+
+    Nothing runs on the device. JAX's trace caches are cleared first so that
+    functions already jitted are traced again (their next call recompiles).
+    """
+    decisions: list[Decision] = []
+    token = _RECORDER.set(decisions)
+    try:
+        jax.clear_caches()
+        jax.eval_shape(fn, *args, **kwargs)
+    finally:
+        _RECORDER.reset(token)
+    return Explanation(tuple(decisions))

@@ -1,0 +1,89 @@
+"""Normalisation over the last axis: `rms_norm` and `layer_norm`."""
+
+from __future__ import annotations
+
+from jaxtyping import Array, Float
+
+from forgeax.ops import checks
+from forgeax.ops.interface import define_op
+
+_BACKENDS = "forgeax.kernels.{}.norms:{}"
+
+# Priority on each platform, best first (xla is always the fallback). On GPUs
+# the order comes from benchmarks/results/norms_*.json (see README).
+_PRIORITY = {"gpu": ("triton", "pallas_gpu"), "tpu": ("pallas_tpu",), "cpu": ()}
+
+
+def _backends(attr: str) -> dict[str, str]:
+    modules = {"xla": "xla", "triton": "triton", "pallas_gpu": "pallas.gpu", "pallas_tpu": "pallas.tpu"}
+    return {name: _BACKENDS.format(module, attr) for name, module in modules.items()}
+
+
+RMS_NORM = define_op("rms_norm", _backends("RMS_NORM"), _PRIORITY)
+LAYER_NORM = define_op("layer_norm", _backends("LAYER_NORM"), _PRIORITY)
+
+
+def _check(x, params: dict, eps: float) -> None:
+    checks.floating_array("x", x, min_rank=1)
+    for name, p in params.items():
+        if p is None:
+            continue
+        checks.floating_array(name, p, min_rank=1)
+        if p.shape != (x.shape[-1],):
+            raise ValueError(f"{name}: expected shape ({x.shape[-1]},) (the last axis of x {tuple(x.shape)}), got {tuple(p.shape)}")
+    checks.positive_float("eps", eps)
+
+
+def rms_norm(
+    x: Float[Array, "*B D"],
+    scale: Float[Array, " D"],
+    *,
+    eps: float = 1e-6,
+    backend: str | None = None,
+) -> Float[Array, "*B D"]:
+    """Root-mean-square normalisation over the last axis.
+
+        y = x / sqrt(mean(x^2, axis=-1) + eps) * scale
+
+    Args:
+      x: `[..., D]`, f32/bf16/f16; any number of leading axes.
+      scale: `[D]` learnable gain (any float dtype; used in f32).
+      eps: added to the mean square before the square root; > 0.
+      backend: None (best for this device), "xla", "triton", "pallas",
+        "pallas_gpu", "pallas_tpu", or a user-registered name.
+
+    Returns:
+      `[..., D]` in x's dtype. Statistics are computed in f32. Differentiable
+      with respect to x and scale.
+    """
+    _check(x, {"scale": scale}, eps)
+    return RMS_NORM(x, scale, eps=float(eps), backend=backend)
+
+
+def layer_norm(
+    x: Float[Array, "*B D"],
+    scale: Float[Array, " D"],
+    offset: Float[Array, " D"] | None = None,
+    *,
+    eps: float = 1e-6,
+    backend: str | None = None,
+) -> Float[Array, "*B D"]:
+    """Layer normalisation over the last axis.
+
+        y = (x - mean(x)) / sqrt(var(x) + eps) * scale + offset
+
+    with the biased variance (mean of squared deviations), as in
+    `flax.linen.LayerNorm` and `torch.nn.LayerNorm`.
+
+    Args:
+      x: `[..., D]`, f32/bf16/f16.
+      scale: `[D]` gain. offset: `[D]` bias, or None for no bias.
+      eps: > 0. backend: as for `rms_norm`.
+
+    Returns:
+      `[..., D]` in x's dtype; statistics in f32. Differentiable with respect
+      to x, scale and offset.
+    """
+    _check(x, {"scale": scale, "offset": offset}, eps)
+    return LAYER_NORM(x, scale, offset, eps=float(eps), backend=backend)
+

@@ -1,0 +1,137 @@
+"""The conformance harness: every backend of an op against its XLA reference.
+
+One call, `assert_conforms(case, backend)`, checks a backend on one set of
+arguments:
+  * forward: finite, same shape/dtype as the reference, not all zeros, and
+    ||out - ref|| / ||ref|| under the dtype's tolerance, where `ref` is the
+    XLA reference evaluated in f32 on the same (upcast) inputs;
+  * gradients with respect to every differentiable argument, pulled back from
+    a random cotangent (never ones), compared the same way;
+  * determinism: a second call is bitwise identical.
+
+Which backends run here is decided once, by `runnable_backends(op)`: those that
+load and can run on this platform (natively, or in their interpreter under
+FORGEAX_INTERPRET=1). `FORGEAX_TEST_BACKENDS=a,b` narrows the set; the Triton
+interpreter needs TRITON_INTERPRET=1 before `import triton`, so it runs in its
+own test target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forgeax.ops import interface
+
+# ||out - ref|| / ||ref|| allowed per dtype of the inputs (DESIGN.md, Testing).
+TOLERANCE = {
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.float16): 2e-3,
+    jnp.dtype(jnp.bfloat16): 1e-2,
+}
+
+
+def runnable_backends(op_name: str) -> list[str]:
+    """Backends of `op_name` that can run on this machine, for parametrising tests."""
+    op = interface.OPS[op_name]
+    platform = interface.current_platform()
+    wanted = os.environ.get("FORGEAX_TEST_BACKENDS")
+    names = [b.strip() for b in wanted.split(",")] if wanted else list(op.backends)
+    runnable = []
+    for name in names:
+        impl = op.implementation(name)
+        if isinstance(impl, str):
+            continue
+        if platform not in impl.platforms:
+            if not (platform == "cpu" and impl.interpretable and interface.interpret_enabled()):
+                continue
+            # Triton's interpreter exists only when TRITON_INTERPRET=1 was set before import.
+            if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+                continue
+        runnable.append(name)
+    return runnable
+
+
+def relative_error(out: Any, ref: Any) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def random_array(key: jax.Array, shape: Sequence[int], dtype: Any, *, scale: float = 1.0, mean: float = 0.0) -> jax.Array:
+    """Normal(mean, scale) values in `dtype`; never all zeros."""
+    return (mean + scale * jax.random.normal(key, tuple(shape), jnp.float32)).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call of an op: positional args (arrays or None), static kwargs, and
+    which positional args are differentiable."""
+
+    name: str
+    public: Callable[..., Any]  # the forgeax.ops function (takes backend=)
+    reference: Callable[..., Any]  # the XLA reference (no backend=)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    diff_argnums: tuple[int, ...]
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.dtype(self.args[0].dtype)
+
+
+def _upcast(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.astype(jnp.float32) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) else a for a in args)
+
+
+def _vjp(fn: Callable[..., Any], args: tuple[Any, ...], diff_argnums: tuple[int, ...], cotangent: Any):
+    def partial_fn(*diff):
+        full = list(args)
+        for i, d in zip(diff_argnums, diff):
+            full[i] = d
+        return fn(*full)
+
+    out, pullback = jax.vjp(partial_fn, *[args[i] for i in diff_argnums])
+    return out, pullback(cotangent.astype(out.dtype))
+
+
+def assert_conforms(case: Case, backend: str, *, tolerance: float | None = None, seed: int = 0) -> None:
+    """Forward, gradients and determinism of `backend` against the reference."""
+    tol = tolerance if tolerance is not None else TOLERANCE[case.dtype]
+    run = jax.jit(lambda *a: case.public(*a, backend=backend, **case.kwargs))
+    ref_fn = lambda *a: case.reference(*a, **case.kwargs)  # noqa: E731
+
+    out = run(*case.args)
+    ref = ref_fn(*_upcast(case.args))
+    where = f"{case.name} [{backend}]"
+    assert out.shape == ref.shape, f"{where}: shape {out.shape} != reference {ref.shape}"
+    assert out.dtype == case.dtype, f"{where}: dtype {out.dtype} != input dtype {case.dtype}"
+    assert bool(jnp.all(jnp.isfinite(out))), f"{where}: non-finite output"
+    assert float(jnp.max(jnp.abs(ref))) > 0, f"{where}: degenerate case, the reference is all zeros"
+    err = relative_error(out, ref)
+    assert err < tol, f"{where}: forward relative error {err:.3g} >= {tol:g}"
+
+    again = run(*case.args)
+    assert bool(jnp.all(again == out)), f"{where}: a second call gave different bits"
+
+    if not case.diff_argnums:
+        return
+    cotangent = random_array(jax.random.key(seed + 1), out.shape, jnp.float32)
+    grad_fn = jax.jit(lambda *a: _vjp(lambda *b: case.public(*b, backend=backend, **case.kwargs), a, case.diff_argnums, cotangent)[1])
+    grads = grad_fn(*case.args)
+    _, ref_grads = _vjp(ref_fn, _upcast(case.args), case.diff_argnums, cotangent)
+    for i, g, rg in zip(case.diff_argnums, grads, ref_grads):
+        arg = case.args[i]
+        assert g.shape == arg.shape and g.dtype == arg.dtype, f"{where}: grad of arg {i} is {g.dtype}{g.shape}, expected {arg.dtype}{arg.shape}"
+        assert bool(jnp.all(jnp.isfinite(g))), f"{where}: non-finite gradient of arg {i}"
+        gerr = relative_error(g, rg)
+        assert gerr < tol, f"{where}: gradient of arg {i} relative error {gerr:.3g} >= {tol:g}"
+    grads_again = grad_fn(*case.args)
+    for g, g2 in zip(grads, grads_again):
+        assert bool(jnp.all(g == g2)), f"{where}: a second backward gave different bits"

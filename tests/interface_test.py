@@ -1,0 +1,113 @@
+"""The shared interface: registry, selection, fallback, explain, user backends."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import forgeax
+from forgeax import ops
+from forgeax.kernels.xla import norms as reference
+from forgeax.ops import interface
+
+
+@pytest.fixture
+def scratch_op():
+    """A throwaway op defined through the public API, removed afterwards."""
+    op = forgeax.define_op(
+        "scale_by_two",
+        {"xla": forgeax.Implementation(fn=lambda x: 2 * x)},
+        priority={"cpu": (), "gpu": (), "tpu": ()},
+    )
+    yield op
+    del interface.OPS["scale_by_two"]
+
+
+def test_import_forgeax_exposes_the_public_surface():
+    assert forgeax.ops is ops
+    assert ops.__name__ == "forgeax.ops"
+    assert issubclass(forgeax.UnsupportedError, NotImplementedError)
+    assert {"rms_norm", "layer_norm"} <= set(interface.OPS)
+
+
+def test_default_selection_on_cpu_is_xla_and_explain_says_so():
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    scale = jnp.ones((16,))
+    report = forgeax.explain(lambda x: ops.rms_norm(x, scale) + ops.layer_norm(x, scale, scale), x)
+    if interface.current_platform() == "cpu":
+        assert report.backends() == ("xla", "xla")
+    assert [d.op for d in report.decisions] == ["rms_norm", "layer_norm"]
+    assert "rms_norm(float32[4, 16], float32[16]) ->" in str(report)
+
+
+def test_explain_sees_inside_jit_and_grad():
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    scale = jnp.ones((16,))
+    step = jax.jit(jax.grad(lambda x: jnp.sum(ops.rms_norm(x, scale, backend="xla"))))
+    step(x)  # traced once already: explain must still see the call
+    assert forgeax.explain(step, x).backends() == ("xla",)
+
+
+def test_user_backend_preferred_when_it_supports_the_call(scratch_op):
+    calls = []
+
+    def triple(x):
+        calls.append(x.shape)
+        return 3 * x
+
+    refuse_odd = lambda x: None if x.shape[-1] % 2 == 0 else "odd widths are not handled"  # noqa: E731
+    platform = interface.current_platform()
+    forgeax.register_backend("scale_by_two", "mine", forgeax.Implementation(fn=triple, platforms={platform}, supports=refuse_odd), prefer_on=(platform,))
+    assert float(scratch_op(jnp.ones((2, 4)))[0, 0]) == 3.0  # the user's backend was chosen
+    assert float(scratch_op(jnp.ones((2, 3)))[0, 0]) == 2.0  # refused: fell back to xla
+    report = forgeax.explain(lambda x: scratch_op(x), jnp.ones((2, 3)))
+    assert report.decisions[0].backend == "xla"
+    assert report.decisions[0].skipped == (("mine", "odd widths are not handled"),)
+    with pytest.raises(forgeax.UnsupportedError, match="odd widths are not handled"):
+        scratch_op(jnp.ones((2, 3)), backend="mine")
+
+
+def test_user_backend_for_a_builtin_op_by_name():
+    platform = interface.current_platform()
+    impl = forgeax.Implementation(fn=lambda x, scale, *, eps: reference.rms_norm(x, scale, eps=eps) + 1.0, platforms={platform})
+    forgeax.register_backend("rms_norm", "plus_one", impl)
+    try:
+        x = jax.random.normal(jax.random.key(2), (3, 8))
+        got = ops.rms_norm(x, jnp.ones((8,)), backend="plus_one")
+        assert jnp.allclose(got, reference.rms_norm(x, jnp.ones((8,)), eps=1e-6) + 1.0)
+        # Not preferred anywhere: the default stays as it was.
+        assert forgeax.explain(lambda x: ops.rms_norm(x, jnp.ones((8,))), x).backends()[0] != "plus_one"
+    finally:
+        op = interface.OPS["rms_norm"]
+        op._refs.pop("plus_one")  # noqa: SLF001 - test cleanup
+        op._loaded.pop("plus_one", None)  # noqa: SLF001
+
+
+def test_a_backend_that_fails_to_import_is_skipped_with_the_reason(scratch_op):
+    platform = interface.current_platform()
+    scratch_op.add_backend("broken", "forgeax.kernels.does_not_exist:IMPL", prefer_on=(platform,))
+    report = forgeax.explain(lambda x: scratch_op(x), jnp.ones((2,)))
+    assert report.decisions[0].backend == "xla"
+    name, reason = report.decisions[0].skipped[0]
+    assert name == "broken" and "could not import forgeax.kernels.does_not_exist:IMPL" in reason
+    with pytest.raises(forgeax.UnsupportedError, match="could not import"):
+        scratch_op(jnp.ones((2,)), backend="broken")
+
+
+def test_registry_errors_name_the_argument(scratch_op):
+    with pytest.raises(ValueError, match="^op:"):
+        forgeax.register_backend("no_such_op", "x", forgeax.Implementation(fn=abs))
+    with pytest.raises(ValueError, match="^name:"):
+        forgeax.define_op("scale_by_two", {"xla": forgeax.Implementation(fn=abs)}, {})
+    with pytest.raises(ValueError, match="^platforms:"):
+        forgeax.Implementation(fn=abs, platforms={"quantum"})
+    with pytest.raises(ValueError, match="^prefer_on:"):
+        scratch_op.add_backend("y", forgeax.Implementation(fn=abs), prefer_on=("quantum",))
+
+
+def test_interpret_mode_is_scoped():
+    before = interface.interpret_enabled()
+    with forgeax.interpret_mode(not before):
+        assert interface.interpret_enabled() is (not before)
+    assert interface.interpret_enabled() is before

@@ -1,0 +1,176 @@
+"""Times every backend of an op, side by side with its anchors, on named shapes.
+
+    bazel run //tools:bench -- --op rms_norm            # CPU: the small shapes
+    python tools/bench.py --op rms_norm --op layer_norm # GPU, against the installed wheel
+
+Method (DESIGN.md, Performance): compile first (excluded), warm up, then
+`--reps` rounds of `--calls` back-to-back calls each closed by
+`block_until_ready`; the per-call median of the rounds is the result. The copy
+ceiling (a large read+write) is measured in the same run, and each result is
+reported as bytes/s or FLOP/s, fraction of the floor, and ratio to XLA. JSON
+goes to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform as host_platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_specs  # noqa: E402  (a sibling module, also when run as a plain script)
+
+from forgeax.ops import interface  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    op: str
+    shape: str
+    dims: tuple[int, ...]
+    dtype: str
+    mode: str
+    backend: str
+    median_ms: float
+    spread_ms: tuple[float, float]
+    bytes: float
+    flops: float
+    tb_per_s: float
+    tflop_per_s: float
+    fraction_of_floor: float
+    speedup_vs_xla: float | None = None
+    note: str = ""
+
+
+def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float]:
+    """Per-call seconds of `reps` rounds of `calls` back-to-back calls."""
+    jax.block_until_ready(fn(*args))  # compile
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    rounds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        rounds.append((time.perf_counter() - start) / calls)
+    return rounds
+
+
+def copy_bandwidth(calls: int, reps: int) -> float:
+    """Bytes/s of a large device copy (read + write), the memory ceiling."""
+    n = (1 << 28) if interface.current_platform() != "cpu" else (1 << 24)
+    x = jnp.arange(n, dtype=jnp.float32)
+    rounds = time_call(jax.jit(lambda a: a * 1.0001), (x,), calls=calls, reps=reps)
+    return 2 * 4 * n / statistics.median(rounds)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    platform = interface.current_platform()
+    device = jax.devices()[0]
+    ceiling = copy_bandwidth(args.calls, args.reps)
+    print(f"device: {device.device_kind} ({platform}); copy ceiling {ceiling / 1e9:.0f} GB/s", flush=True)
+    results: list[Timing] = []
+    for op_name in args.op:
+        spec = bench_specs.SPECS[op_name]
+        backends = args.backend or [b for b in interface.OPS[op_name].backends]
+        shapes = [s for s in spec.shapes if (args.shape and s.name in args.shape) or (not args.shape and (platform != "cpu" or s.small))]
+        for shape in shapes:
+            inputs = spec.make_inputs(shape, jax.random.key(0))
+            for mode in args.mode:
+                nbytes, flops = spec.floor(shape, mode)
+                floor_s = nbytes / ceiling
+                row: list[Timing] = []
+                for backend in backends:
+                    impl = interface.OPS[op_name].implementation(backend)
+                    why = impl if isinstance(impl, str) else impl.why_not(platform, inputs[:-1], {})
+                    if why is not None:
+                        print(f"  skip {op_name} {shape.name} {mode} {backend}: {why}", flush=True)
+                        continue
+                    try:
+                        rounds = time_call(spec.build(backend, mode), inputs, calls=args.calls, reps=args.reps)
+                    except Exception as e:  # noqa: BLE001 - report and go on with the other backends
+                        print(f"  FAIL {op_name} {shape.name} {mode} {backend}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        continue
+                    med = statistics.median(rounds)
+                    row.append(Timing(op_name, shape.name, shape.dims, shape.dtype, mode, backend, med * 1e3,
+                                      (min(rounds) * 1e3, max(rounds) * 1e3), nbytes, flops, nbytes / med / 1e12,
+                                      flops / med / 1e12, floor_s / med))
+                xla = next((t for t in row if t.backend == "xla"), None)
+                results += [dataclasses.replace(t, speedup_vs_xla=(xla.median_ms / t.median_ms) if xla else None) for t in row]
+    return {
+        "device": device.device_kind,
+        "platform": platform,
+        "host": host_platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None, **_optional_versions()},
+        "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median per-call time over rounds"},
+        "copy_ceiling_tb_per_s": ceiling / 1e12,
+        "results": [dataclasses.asdict(t) for t in results],
+    }
+
+
+def _optional_versions() -> dict[str, str]:
+    versions = {}
+    for name in ("jaxlib", "triton", "jax_triton"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001
+            versions[name] = "absent"
+    return versions
+
+
+def print_table(report: dict[str, Any]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text where rich is absent
+        for r in report["results"]:
+            print(r)
+        return
+    table = Table(title=f"{report['device']}: copy ceiling {report['copy_ceiling_tb_per_s'] * 1e3:.0f} GB/s")
+    for col in ("op", "shape", "dtype", "mode", "backend", "ms", "GB/s", "TFLOP/s", "of floor", "vs xla"):
+        table.add_column(col, justify="right" if col not in ("op", "shape", "backend", "mode", "dtype") else "left")
+    for r in report["results"]:
+        table.add_row(r["op"], f"{r['shape']} {list(r['dims'])}", r["dtype"], r["mode"], r["backend"], f"{r['median_ms']:.4f}",
+                      f"{r['tb_per_s'] * 1e3:.0f}", f"{r['tflop_per_s']:.1f}" if r["flops"] else "-", f"{r['fraction_of_floor']:.0%}",
+                      f"{r['speedup_vs_xla']:.2f}x" if r["speedup_vs_xla"] else "-")
+    Console(width=200).print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", action="append", choices=sorted(bench_specs.SPECS), help="op to time (repeatable; default all)")
+    parser.add_argument("--shape", action="append", help="named shape (repeatable; default: all on GPU, the small ones on CPU)")
+    parser.add_argument("--backend", action="append", help="backend (repeatable; default: every backend that runs here)")
+    parser.add_argument("--mode", action="append", choices=("fwd", "fwd+bwd"), help="default both")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<ops>_<device>.json; '-' for none)")
+    args = parser.parse_args(argv)
+    args.op = args.op or sorted(bench_specs.SPECS)
+    args.mode = args.mode or ["fwd", "fwd+bwd"]
+    report = run(args)
+    print_table(report)
+    if args.out != "-":
+        root = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        device = report["device"].replace(" ", "_")
+        path = args.out or os.path.join(root, "benchmarks", "results", f"{'+'.join(args.op)}_{device}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
