@@ -1,0 +1,102 @@
+"""Cross-lowering of the Mosaic GPU norm kernels for cuda on CPU (no GPU needed).
+
+`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs the whole
+Python side of Pallas Mosaic GPU: kernel tracing, the Mosaic GPU dialect, the
+Lane-semantics register layouts (row reductions, broadcasts, GMEM loads and
+stores in the explicit layouts) and the lowering to LLVM, serialised into a
+`mosaic_gpu_v2` custom call. It does not run ptxas and proves nothing about
+numerics (interpret mode and the GPU conformance run do that; notes/MOSAIC_GPU.md
+§3.4, §10).
+
+Run: JAX_PLATFORMS=cpu pytest tests/lowering_pallas_gpu_test.py
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from forgeax.kernels.pallas.gpu import norms as gpu_norms
+from forgeax.ops.interface import interpret_mode
+
+CUSTOM_CALL = "stablehlo.custom_call @mosaic_gpu_v2("
+
+# (x shape, x dtype): the large training shape, D = 8192 (column loops instead
+# of register caching), rows that are not a multiple of the row block or of 4,
+# D a multiple of 128 but not of 256, tiny inputs (padded rows).
+CASES = [
+    ((32768, 4096), jnp.bfloat16),
+    ((8192, 8192), jnp.bfloat16),
+    ((16384, 4096), jnp.float32),
+    ((257, 4096), jnp.bfloat16),
+    ((3, 5, 512), jnp.float16),
+    ((1000, 384), jnp.bfloat16),
+    ((2, 3, 128), jnp.float32),
+    ((1, 128), jnp.bfloat16),
+]
+
+NORMS = {
+    "rms": lambda x, s, o: gpu_norms.RMS_NORM.fn(x, s, eps=1e-6),
+    "layer": lambda x, s, o: gpu_norms.LAYER_NORM.fn(x, s, o, eps=1e-6),
+    "layer_nobias": lambda x, s, o: gpu_norms.LAYER_NORM.fn(x, s, None, eps=1e-6),
+}
+
+_IDS = lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name  # noqa: E731
+
+
+def _lower_cuda(fn, *args) -> str:
+    # Lowering must not pick the interpreter even if FORGEAX_INTERPRET=1 is set.
+    with interpret_mode(False):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _specs(shape, dtype):
+    d = shape[-1]
+    return (
+        jax.ShapeDtypeStruct(shape, dtype),
+        jax.ShapeDtypeStruct((d,), jnp.float32),
+        jax.ShapeDtypeStruct((d,), jnp.bfloat16),
+    )
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+@pytest.mark.parametrize("shape,dtype", CASES, ids=_IDS)
+def test_forward_lowers_to_one_mosaic_gpu_kernel(norm, shape, dtype):
+    x, s, o = _specs(shape, dtype)
+    assert gpu_norms.LAYER_NORM.supports(x, s, o, eps=1e-6) is None
+    text = _lower_cuda(NORMS[norm], x, s, o)
+    assert text.count(CUSTOM_CALL) == 1
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+@pytest.mark.parametrize("shape,dtype", CASES, ids=_IDS)
+def test_backward_lowers_to_mosaic_gpu_kernels(norm, shape, dtype):
+    fn = NORMS[norm]
+
+    def loss(x, s, o):
+        return jnp.sum(fn(x, s, o).astype(jnp.float32) ** 2)
+
+    text = _lower_cuda(jax.grad(loss, argnums=(0, 1, 2)), *_specs(shape, dtype))
+    # The forward kernel (residuals) and the backward kernel; no autodiff
+    # through a kernel and no fallback to XLA.
+    assert text.count(CUSTOM_CALL) == 2
+
+
+@pytest.mark.parametrize("d", [7, 96, 1000, 4100])
+def test_supports_refuses_d_not_a_multiple_of_128(d):
+    x = jax.ShapeDtypeStruct((4, d), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((d,), jnp.float32)
+    reason = gpu_norms.RMS_NORM.supports(x, s, eps=1e-6)
+    assert reason is not None and "128" in reason
+    assert gpu_norms.LAYER_NORM.supports(x, s, None, eps=1e-6) == reason
+
+
+def test_supports_refuses_integer_x():
+    x = jax.ShapeDtypeStruct((4, 256), jnp.int32)
+    s = jax.ShapeDtypeStruct((256,), jnp.float32)
+    assert gpu_norms.RMS_NORM.supports(x, s, eps=1e-6) is not None
