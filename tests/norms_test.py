@@ -28,6 +28,7 @@ EPS = 1e-5
 # The Mosaic GPU interpreter costs milliseconds per memory operation: on CPU it
 # gets the small shapes only (its full sweep runs on the GPU).
 INTERPRET_MAX_ELEMENTS = {"pallas_gpu": 16 * 4096}
+ORDERED_EFFECT_INTERPRETERS = ("pallas_gpu", "pallas_tpu")
 
 RMS_BACKENDS = conformance.runnable_backends("rms_norm")
 LN_BACKENDS = conformance.runnable_backends("layer_norm")
@@ -120,9 +121,13 @@ def test_vmap_jit_checkpoint_match_reference(backend):
 
     ours = functools.partial(ops.layer_norm, eps=EPS, backend=backend)
     ref = functools.partial(reference.layer_norm, eps=EPS)
+    # The Pallas Mosaic interpreters run through ordered io_callbacks, which
+    # jax.checkpoint cannot differentiate; the real kernel has no effects.
+    if not (backend in ORDERED_EFFECT_INTERPRETERS and interface.current_platform() == "cpu"):
+        ours = jax.checkpoint(ours)
     for in_axes in ((0, None, None), (0, 0, None)):
         scales = scale if in_axes[1] is None else jnp.stack([scale, scale * 2, scale - 1])
-        got = jax.jit(jax.vmap(jax.grad(functools.partial(loss, jax.checkpoint(ours)), argnums=(0, 1, 2)), in_axes=in_axes))(x, scales, offset)
+        got = jax.jit(jax.vmap(jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2)), in_axes=in_axes))(x, scales, offset)
         want = jax.vmap(jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2)), in_axes=in_axes)(x, scales, offset)
         for g, w in zip(got, want):
             assert conformance.relative_error(g, w) < 1e-5, in_axes
