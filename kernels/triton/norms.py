@@ -85,12 +85,28 @@ def _forward_kernel(
 
 
 @triton.jit
+def _load_tile(X, DY, STATS, rows, cols, row_ok, col_ok, D: tl.constexpr, N_STATS: tl.constexpr, IS_RMS: tl.constexpr):
+    """x, dy (input dtype), rstd, mean (f32) of one tile; masked rows give rstd = 0, so xhat = 0."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    x = tl.load(X + offsets, mask=mask, other=0.0)
+    dy = tl.load(DY + offsets, mask=mask, other=0.0)
+    rstd = tl.load(STATS + rows * N_STATS, mask=row_ok, other=0.0)
+    if IS_RMS:
+        mean = rstd  # unused
+    else:
+        mean = tl.load(STATS + rows * N_STATS + 1, mask=row_ok, other=0.0)
+    return x, dy, rstd, mean
+
+
+@triton.jit
 def _backward_kernel(
     X, W, STATS, DY,  # inputs: x [R, D], scale [D], stats [R, N_STATS], dy [R, D]
     DX, DPARAMS,  # outputs: dx [R, D] in x's dtype, partials [programs, N_PARAMS, D] f32
     ROWS: tl.constexpr, D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
     IS_RMS: tl.constexpr, HAS_OFFSET: tl.constexpr, N_STATS: tl.constexpr, N_PARAMS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -102,20 +118,29 @@ def _backward_kernel(
     acc_scale = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc_offset = tl.zeros([BLOCK_D], dtype=tl.float32)
     first = pid * ROWS_PER_PROGRAM
-    for i in range(0, ROWS_PER_PROGRAM, BLOCK_ROWS):  # ROWS_PER_PROGRAM % BLOCK_ROWS == 0
-        rows = first + i + tl.arange(0, BLOCK_ROWS)
-        if ROWS * D >= 2**31:
-            rows = rows.to(tl.int64)
-        row_ok = rows < ROWS
+    end = tl.minimum(first + ROWS_PER_PROGRAM, ROWS)
+    rows = first + tl.arange(0, BLOCK_ROWS)
+    if ROWS * D >= 2**31:  # element offsets would overflow int32
+        rows = rows.to(tl.int64)
+    # PREFETCH: the next tile's loads are issued before this tile is reduced,
+    # so HBM stays busy through the reductions and stores (the loop is a
+    # chain of load -> reduce -> store otherwise, and Triton does not
+    # software-pipeline loads that feed no dot).
+    x_n, dy_n, rstd_n, mean_n = _load_tile(X, DY, STATS, rows, cols, rows < end, col_ok, D, N_STATS, IS_RMS)
+    for _ in range(0, ROWS_PER_PROGRAM, BLOCK_ROWS):  # ROWS_PER_PROGRAM % BLOCK_ROWS == 0
+        row_ok = rows < end
+        if PREFETCH:
+            x, dy, rstd, mean = x_n, dy_n, rstd_n, mean_n
+            nxt = rows + BLOCK_ROWS
+            x_n, dy_n, rstd_n, mean_n = _load_tile(X, DY, STATS, nxt, cols, nxt < end, col_ok, D, N_STATS, IS_RMS)
+        else:
+            x, dy, rstd, mean = _load_tile(X, DY, STATS, rows, cols, row_ok, col_ok, D, N_STATS, IS_RMS)
         mask = row_ok[:, None] & col_ok[None, :]
-        offsets = rows[:, None] * D + cols[None, :]
-        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(STATS + rows * N_STATS, mask=row_ok, other=0.0)  # 0 on masked rows: xhat = 0
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
         if IS_RMS:
             xhat = x * rstd[:, None]
         else:
-            mean = tl.load(STATS + rows * N_STATS + 1, mask=row_ok, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         g = dy * w[None, :]
         c1 = tl.sum(xhat * g, axis=1) / D
@@ -124,10 +149,11 @@ def _backward_kernel(
         else:
             c2 = tl.sum(g, axis=1) / D
             dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
-        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         acc_scale += tl.sum(dy * xhat, axis=0)
         if HAS_OFFSET:
             acc_offset += tl.sum(dy, axis=0)
+        rows += BLOCK_ROWS
     partial = DPARAMS + pid * (N_PARAMS * D) + cols
     tl.store(partial, acc_scale, mask=col_ok)
     if HAS_OFFSET:
@@ -145,6 +171,9 @@ class NormConfig:
     fwd_num_warps/bwd_num_warps: warps per program.
     bwd_programs_per_sm: backward grid size is about this many programs per SM
       (each program then loops over a contiguous chunk of rows).
+    bwd_num_stages: Triton's software-pipelining depth of the backward's row loop.
+    bwd_prefetch: the backward issues the next tile's loads before reducing
+      the current one (explicit double buffering in registers).
     """
 
     fwd_block_rows: int
@@ -152,6 +181,8 @@ class NormConfig:
     bwd_block_rows: int
     bwd_num_warps: int
     bwd_programs_per_sm: int
+    bwd_num_stages: int = 1
+    bwd_prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fwd_block_rows", "bwd_block_rows"):
@@ -161,6 +192,8 @@ class NormConfig:
         for name in ("fwd_num_warps", "bwd_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"{name}: expected 1, 2, 4, 8, 16 or 32, got {getattr(self, name)}")
+        if self.bwd_num_stages < 1:
+            raise ValueError(f"bwd_num_stages: expected >= 1, got {self.bwd_num_stages}")
         if self.bwd_programs_per_sm < 1:
             raise ValueError(f"bwd_programs_per_sm: expected >= 1, got {self.bwd_programs_per_sm}")
 
@@ -218,6 +251,11 @@ def candidate_configs(rows: int, d: int, dtype) -> dict[str, NormConfig]:
         "bwd_8warps": r(base, bwd_num_warps=max(base.bwd_num_warps // 2, 1)),
         "bwd_2rows_1prog": r(base, bwd_block_rows=base.bwd_block_rows * 2, bwd_programs_per_sm=1),
         "bwd_4prog": r(base, bwd_programs_per_sm=4),
+        "bwd_stages2": r(base, bwd_num_stages=2),
+        "bwd_prefetch": r(base, bwd_prefetch=True),
+        "bwd_prefetch_8warps": r(base, bwd_prefetch=True, bwd_num_warps=max(base.bwd_num_warps // 2, 1)),
+        "bwd_prefetch_4prog_8warps": r(base, bwd_prefetch=True, bwd_programs_per_sm=4, bwd_num_warps=max(base.bwd_num_warps // 2, 1)),
+        "bwd_prefetch_2rows": r(base, bwd_prefetch=True, bwd_block_rows=base.bwd_block_rows * 2),
     }
 
 
@@ -287,10 +325,11 @@ def _backward(x, scale, stats, dy, *, eps, has_offset, config):
         out_shape=(jax.ShapeDtypeStruct((rows, d), x.dtype), jax.ShapeDtypeStruct((programs, n_params, d), jnp.float32)),
         grid=(programs,),
         num_warps=cfg.bwd_num_warps,
-        num_stages=1,
+        num_stages=cfg.bwd_num_stages,
         ROWS=rows, D=d,
         BLOCK_ROWS=block_rows, BLOCK_D=_pow2_at_least(d), ROWS_PER_PROGRAM=rows_per_program,
         IS_RMS=n_stats == 1, HAS_OFFSET=has_offset, N_STATS=n_stats, N_PARAMS=n_params,
+        PREFETCH=cfg.bwd_prefetch,
     )
     sums = jnp.sum(partials, axis=0)
     return dx, sums[0], sums[1] if has_offset else None
