@@ -1,0 +1,41 @@
+"""One pytest_test per tests/*_test.py, with the environment its name implies."""
+
+load("//tools/pytest:defs.bzl", "pytest_test")
+
+# Unless gpu-tagged, tests run on the CPU only (this also silences
+# jax-cuda13-plugin's cuDNN traceback on machines without a GPU).
+CPU_ENV = {"JAX_PLATFORMS": "cpu"}
+
+# Every backend on CPU: Pallas interpreters, Triton's interpreter.
+INTERPRET_ENV = dict(CPU_ENV, FORGEAX_INTERPRET = "1")
+
+# TRITON_INTERPRET must be set before `import triton`: its own process/target.
+TRITON_INTERPRET_ENV = dict(INTERPRET_ENV, TRITON_INTERPRET = "1")
+
+def default_settings(src):
+    """Size and env of the test file `src` from its name."""
+    if src.startswith("lowering"):
+        return {"size": "medium", "env": CPU_ENV}
+    if src.endswith("_triton_interpret_test.py"):
+        return {"size": "large", "env": TRITON_INTERPRET_ENV}
+    return {"size": "large", "env": INTERPRET_ENV}
+
+def pytest_tests(srcs, deps, overrides = {}):
+    """A pytest_test named <file> for each file in srcs.
+
+    Args:
+      srcs: test files (*_test.py).
+      deps: deps of every target.
+      overrides: target name -> dict of pytest_test arguments that replace the
+        defaults (size, env, shard_count, data, tags, ...).
+    """
+    for src in srcs:
+        name = src[:-len(".py")]
+        kwargs = default_settings(src)
+        kwargs.update(overrides.get(name, {}))
+        pytest_test(
+            name = name,
+            srcs = [src],
+            deps = deps,
+            **kwargs
+        )
