@@ -135,3 +135,14 @@ def assert_conforms(case: Case, backend: str, *, tolerance: float | None = None,
     grads_again = grad_fn(*case.args)
     for g, g2 in zip(grads, grads_again):
         assert bool(jnp.all(g == g2)), f"{where}: a second backward gave different bits"
+
+
+def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:
+    """StableHLO text of `jax.jit(fn)` lowered for `platform` ("cuda", "tpu") on this machine.
+
+    Cross-lowering runs the whole Python side of a kernel's compilation (Triton
+    to PTX, Mosaic GPU / TPU dialect lowering) without the hardware. Kernels
+    must not pick their interpreters here, even under FORGEAX_INTERPRET=1.
+    """
+    with interface.interpret_mode(False):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import conformance
+
 from forgeax.kernels.pallas.gpu import norms as gpu_norms
-from forgeax.ops.interface import interpret_mode
 
 CUSTOM_CALL = "stablehlo.custom_call @mosaic_gpu_v2("
 
@@ -50,9 +51,7 @@ _IDS = lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name  # noqa: 
 
 
 def _lower_cuda(fn, *args) -> str:
-    # Lowering must not pick the interpreter even if FORGEAX_INTERPRET=1 is set.
-    with interpret_mode(False):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return conformance.lowered_text(fn, *args, platform='cuda')
 
 
 def _specs(shape, dtype):

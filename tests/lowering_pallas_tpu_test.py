@@ -19,11 +19,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 import pytest
+
+import conformance
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from forgeax.kernels.pallas.tpu import norms as tpu_norms
-from forgeax.ops.interface import interpret_mode
 
 # (x shape, x dtype): the large training shape plus shapes whose rows are not a
 # multiple of the row block and whose D is not a multiple of 128.
@@ -46,9 +47,7 @@ NORMS = {
 
 
 def _lower_tpu(fn, *args) -> str:
-    # Lowering must not pick the interpreter even if FORGEAX_INTERPRET=1 is set.
-    with interpret_mode(False):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    return conformance.lowered_text(fn, *args, platform='tpu')
 
 
 def _specs(shape, dtype):

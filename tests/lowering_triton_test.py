@@ -18,6 +18,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
+import conformance
+
 if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on"):
     pytest.skip("cross-lowering needs compiled Triton kernels: unset TRITON_INTERPRET", allow_module_level=True)
 
@@ -25,7 +27,6 @@ import jax
 import jax.numpy as jnp
 
 from forgeax.kernels.triton import norms as triton_norms
-from forgeax.ops.interface import interpret_mode
 
 CUSTOM_CALL = "triton_kernel_call"
 
@@ -53,8 +54,7 @@ def _norm(kind):
 
 
 def _lower_cuda(fn, *args) -> str:
-    with interpret_mode(False):  # even if FORGEAX_INTERPRET is set in the environment
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return conformance.lowered_text(fn, *args, platform='cuda')
 
 
 @pytest.mark.parametrize("kind,shape,dtype", CASES, ids=lambda v: str(v))
