@@ -18,6 +18,7 @@ from forgeax.ops.interface import (
     interpret_mode,
     register_backend,
 )
+from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.norms import layer_norm, rms_norm
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Explanation",
     "Implementation",
     "UnsupportedError",
+    "cross_entropy",
     "current_platform",
     "define_op",
     "explain",

@@ -80,6 +80,11 @@ class Case:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     diff_argnums: tuple[int, ...]
+    # Ops whose output dtype is fixed (a loss is f32 whatever the logits) say so;
+    # None: the output is in the first argument's dtype. Such outputs are
+    # compared with `forward_tolerance` instead of the input dtype's tolerance.
+    output_dtype: Any = None
+    forward_tolerance: float | None = None
 
     @property
     def dtype(self) -> Any:
@@ -101,27 +106,29 @@ def _vjp(fn: Callable[..., Any], args: tuple[Any, ...], diff_argnums: tuple[int,
     return out, pullback(cotangent.astype(out.dtype))
 
 
-def assert_conforms(case: Case, backend: str, *, tolerance: float | None = None, seed: int = 0) -> None:
-    """Forward, gradients and determinism of `backend` against the reference."""
+def assert_conforms(case: Case, backend: str, *, tolerance: float | None = None, seed: int = 0) -> tuple[Any, Any]:
+    """Forward, gradients and determinism of `backend` against the reference; returns (out, grads)."""
     tol = tolerance if tolerance is not None else TOLERANCE[case.dtype]
+    out_dtype = jnp.dtype(case.output_dtype or case.dtype)
+    forward_tol = case.forward_tolerance if case.forward_tolerance is not None else tol
     run = jax.jit(lambda *a: case.public(*a, backend=backend, **case.kwargs))
     ref_fn = lambda *a: case.reference(*a, **case.kwargs)  # noqa: E731
 
     out = run(*case.args)
     ref = ref_fn(*_upcast(case.args))
-    where = f"{case.name} [{backend}]"
+    where = f"{case.name} {case.dtype.name} {case.kwargs} [{backend}]"
     assert out.shape == ref.shape, f"{where}: shape {out.shape} != reference {ref.shape}"
-    assert out.dtype == case.dtype, f"{where}: dtype {out.dtype} != input dtype {case.dtype}"
+    assert out.dtype == out_dtype, f"{where}: dtype {out.dtype} != expected {out_dtype}"
     assert bool(jnp.all(jnp.isfinite(out))), f"{where}: non-finite output"
     assert float(jnp.max(jnp.abs(ref))) > 0, f"{where}: degenerate case, the reference is all zeros"
     err = relative_error(out, ref)
-    assert err < tol, f"{where}: forward relative error {err:.3g} >= {tol:g}"
+    assert err < forward_tol, f"{where}: forward relative error {err:.3g} >= {forward_tol:g}"
 
     again = run(*case.args)
     assert bool(jnp.all(again == out)), f"{where}: a second call gave different bits"
 
     if not case.diff_argnums:
-        return
+        return out, ()
     cotangent = random_array(jax.random.key(seed + 1), out.shape, jnp.float32)
     grad_fn = jax.jit(lambda *a: _vjp(lambda *b: case.public(*b, backend=backend, **case.kwargs), a, case.diff_argnums, cotangent)[1])
     grads = grad_fn(*case.args)
@@ -135,6 +142,7 @@ def assert_conforms(case: Case, backend: str, *, tolerance: float | None = None,
     grads_again = grad_fn(*case.args)
     for g, g2 in zip(grads, grads_again):
         assert bool(jnp.all(g == g2)), f"{where}: a second backward gave different bits"
+    return out, grads
 
 
 def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[Timing] = []
     for op_name in args.op:
         spec = bench_specs.SPECS[op_name]
-        backends = args.backend or [b for b in interface.OPS[op_name].backends]
+        registered = interface.OPS[op_name].backends
+        backends = [b for b in args.backend if b in registered] if args.backend else list(registered)
         shapes = [s for s in spec.shapes if (args.shape and s.name in args.shape) or (not args.shape and (platform != "cpu" or s.small))]
         for shape in shapes:
             inputs = spec.make_inputs(shape, jax.random.key(0))
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row: list[Timing] = []
                 for backend in backends:
                     impl = interface.OPS[op_name].implementation(backend)
-                    why = impl if isinstance(impl, str) else impl.why_not(platform, inputs[:-1], {})
+                    why = impl if isinstance(impl, str) else impl.why_not(platform, inputs[:-1], spec.options)
                     if why is not None:
                         print(f"  skip {op_name} {shape.name} {mode} {backend}: {why}", flush=True)
                         continue

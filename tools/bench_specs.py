@@ -35,8 +35,11 @@ class Spec:
     build: Callable[[str, str], Callable[..., Any]]
     # (shape, mode) -> (bytes, flops) the call must move / compute at minimum
     floor: Callable[[Shape, str], tuple[float, float]]
-    # Anchors: name -> (mode -> jitted function of the inputs); XLA is the "xla" backend.
-    anchors: dict[str, Callable[[str], Callable[..., Any]]] = dataclasses.field(default_factory=dict)
+    # Keyword options every call passes (also given to each backend's supports()).
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+NORM_EPS = 1e-6
 
 
 def _norm_spec(op_name: str, public: Callable[..., Any], has_offset: bool) -> Spec:
@@ -56,7 +59,7 @@ def _norm_spec(op_name: str, public: Callable[..., Any], has_offset: bool) -> Sp
         return (x, scale, offset, dy) if has_offset else (x, scale, dy)
 
     def build(backend: str, mode: str) -> Callable[..., Any]:
-        fn = functools.partial(public, backend=backend)
+        fn = functools.partial(public, backend=backend, eps=NORM_EPS)
         if mode == "fwd":
             return jax.jit(lambda *a: fn(*a[:-1]))
 
@@ -75,10 +78,47 @@ def _norm_spec(op_name: str, public: Callable[..., Any], has_offset: bool) -> Sp
         # fwd: read x, write y. fwd+bwd adds: read x and dy, write dx.
         return (2 if mode == "fwd" else 5) * pass_bytes, 0.0
 
-    return Spec(op_name, shapes, make_inputs, build, floor)
+    return Spec(op_name, shapes, make_inputs, build, floor, options={"eps": NORM_EPS})
 
 
 SPECS: dict[str, Spec] = {
     "rms_norm": _norm_spec("rms_norm", ops.rms_norm, has_offset=False),
     "layer_norm": _norm_spec("layer_norm", ops.layer_norm, has_offset=True),
 }
+
+
+def _cross_entropy_spec() -> Spec:
+    shapes = (
+        Shape("llama3 8k tokens x 128k vocab", (8192, 128256), "bfloat16"),
+        Shape("small f32", (512, 32000), "float32", small=True),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        kx, kt = jax.random.split(key)
+        logits = jax.random.normal(kx, shape.dims, jnp.float32).astype(shape.dtype)
+        targets = jax.random.randint(kt, shape.dims[:-1], 0, shape.dims[-1], jnp.int32)
+        return logits, targets, jnp.float32(1.0)  # last: the cotangent of the mean loss
+
+    def build(backend: str, mode: str) -> Callable[..., Any]:
+        fn = functools.partial(ops.cross_entropy, backend=backend)
+        if mode == "fwd":
+            return jax.jit(lambda logits, targets, ct: fn(logits, targets))
+
+        def fwd_bwd(logits, targets, ct):
+            loss, pullback = jax.vjp(lambda x: fn(x, targets), logits)
+            return (loss,) + pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        n = 1
+        for d in shape.dims:
+            n *= d
+        pass_bytes = n * jnp.dtype(shape.dtype).itemsize
+        # fwd: read the logits once. fwd+bwd: read them twice (loss, then gradient), write the gradient once.
+        return (1 if mode == "fwd" else 3) * pass_bytes, 0.0
+
+    return Spec("cross_entropy", shapes, make_inputs, build, floor)
+
+
+SPECS["cross_entropy"] = _cross_entropy_spec()
