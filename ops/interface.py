@@ -8,9 +8,10 @@ on CPU in interpret mode, and a `supports(...)` predicate that returns `None` fo
 "yes" or a sentence saying why not.
 
 Selection, written once for every op:
-  * `backend=None`: walk the op's priority for this platform, take the first
-    implementation that loads, runs on this platform and `supports(...)` the
-    call; `xla` is always the last resort.
+  * `backend=None`: walk the op's priority for this platform (a matching
+    measured `Tuned` rule for this device kind and shape goes first), take the
+    first implementation that loads, runs on this platform and `supports(...)`
+    the call; `xla` is always the last resort.
   * `backend="<name>"`: that implementation, or `UnsupportedError` with the
     reason. `"pallas"` is an alias for the Pallas variant of this platform
     (`pallas_gpu` on GPUs, `pallas_tpu` on TPUs).
@@ -38,6 +39,7 @@ __all__ = [
     "Implementation",
     "Op",
     "OPS",
+    "Tuned",
     "UnsupportedError",
     "current_platform",
     "define_op",
@@ -147,6 +149,34 @@ ImplementationRef = Implementation | str
 
 
 @dataclasses.dataclass(frozen=True)
+class Tuned:
+    """A measured preference that overrides an op's platform priority.
+
+    On devices whose `device_kind` starts with `device`, calls whose first
+    argument's last axis lies in [min_last_dim, max_last_dim] try `order` first
+    (then the platform priority). `evidence` names the benchmark result that
+    justifies it.
+    """
+
+    device: str
+    order: tuple[str, ...]
+    evidence: str
+    min_last_dim: int = 0
+    max_last_dim: int | None = None
+
+    def matches(self, device_kind: str, args: Sequence[Any]) -> bool:
+        if not device_kind.startswith(self.device) or not args or not hasattr(args[0], "shape") or not args[0].shape:
+            return False
+        last = args[0].shape[-1]
+        return self.min_last_dim <= last and (self.max_last_dim is None or last <= self.max_last_dim)
+
+
+def current_device_kind() -> str:
+    """The default device's kind, e.g. 'NVIDIA H200' (what `Tuned.device` matches)."""
+    return jax.devices()[0].device_kind
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
     """Which backend one op call used, and why each better-ranked one was skipped."""
 
@@ -178,6 +208,7 @@ class Op:
         name: str,
         backends: Mapping[str, ImplementationRef],
         priority: Mapping[str, Sequence[str]],
+        tuned: Sequence[Tuned] = (),
     ) -> None:
         if "xla" not in backends:
             raise ValueError(f"op {name!r}: backends must include the 'xla' reference")
@@ -185,6 +216,7 @@ class Op:
         self._refs: dict[str, ImplementationRef] = dict(backends)
         self._loaded: dict[str, Implementation | str] = {}  # cache: Implementation or import error
         self._priority: dict[str, tuple[str, ...]] = {p: tuple(priority.get(p, ())) for p in PLATFORMS}
+        self.tuned: tuple[Tuned, ...] = tuple(tuned)
 
     # -- registry ---------------------------------------------------------------------------
     @property
@@ -222,9 +254,16 @@ class Op:
         return self._loaded[backend]
 
     # -- selection --------------------------------------------------------------------------
-    def _candidates(self, backend: str | None, platform: str) -> tuple[str, ...]:
+    def _candidates(self, backend: str | None, platform: str, args: Sequence[Any]) -> tuple[str, ...]:
         if backend is None:
-            return self.priority(platform)
+            order = self.priority(platform)
+            if self.tuned and platform != "cpu":
+                kind = current_device_kind()
+                rule = next((t for t in self.tuned if t.matches(kind, args)), None)
+                if rule is not None:
+                    first = tuple(b for b in rule.order if b in self._refs)
+                    order = first + tuple(b for b in order if b not in first)
+            return order
         if backend == "pallas" and "pallas" not in self._refs:
             return tuple(b for b in _PALLAS_ALIAS[platform] if b in self._refs) or ("pallas_gpu",)
         if not isinstance(backend, str) or backend not in self._refs:
@@ -236,7 +275,7 @@ class Op:
         """(name, implementation, skipped) for this call; raises UnsupportedError if an explicit choice cannot run it."""
         platform = current_platform()
         skipped: list[tuple[str, str]] = []
-        for name in self._candidates(backend, platform):
+        for name in self._candidates(backend, platform, args):
             impl = self.implementation(name) if name in self._refs else f"{name} is not registered for {self.name}"
             reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
             if reason is None:
@@ -258,11 +297,16 @@ class Op:
 OPS: dict[str, Op] = {}
 
 
-def define_op(name: str, backends: Mapping[str, ImplementationRef], priority: Mapping[str, Sequence[str]]) -> Op:
+def define_op(
+    name: str,
+    backends: Mapping[str, ImplementationRef],
+    priority: Mapping[str, Sequence[str]],
+    tuned: Sequence[Tuned] = (),
+) -> Op:
     """Creates and registers a new op (forgeax's own ops are defined this way too)."""
     if name in OPS:
         raise ValueError(f"name: op {name!r} is already defined")
-    op = Op(name, backends, priority)
+    op = Op(name, backends, priority, tuned)
     OPS[name] = op
     return op
 

@@ -111,3 +111,25 @@ def test_interpret_mode_is_scoped():
     with forgeax.interpret_mode(not before):
         assert interface.interpret_enabled() is (not before)
     assert interface.interpret_enabled() is before
+
+
+def test_tuned_rule_reorders_the_priority_on_its_device_and_shapes_only(monkeypatch):
+    everywhere = {"cpu", "gpu", "tpu"}
+    op = interface.Op(
+        "tuned_probe",
+        {
+            "xla": forgeax.Implementation(fn=lambda x: x, platforms=everywhere),
+            "fast_wide": forgeax.Implementation(fn=lambda x: x, platforms=everywhere),
+            "fast_narrow": forgeax.Implementation(fn=lambda x: x, platforms=everywhere),
+        },
+        priority={"gpu": ("fast_wide", "fast_narrow")},
+        tuned=(ops.Tuned(device="NVIDIA H200", order=("fast_narrow",), max_last_dim=1024, evidence="a test"),),
+    )
+    monkeypatch.setattr(interface, "current_platform", lambda: "gpu")
+    narrow, wide = jnp.ones((4, 768)), jnp.ones((4, 4096))
+    monkeypatch.setattr(interface, "current_device_kind", lambda: "NVIDIA H200")
+    assert op.select(None, (narrow,), {})[0] == "fast_narrow"
+    assert op.select(None, (wide,), {})[0] == "fast_wide"
+    assert op.select("fast_wide", (narrow,), {})[0] == "fast_wide"  # an explicit choice is never overridden
+    monkeypatch.setattr(interface, "current_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    assert op.select(None, (narrow,), {})[0] == "fast_wide"
