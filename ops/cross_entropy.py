@@ -13,13 +13,14 @@ from forgeax.ops import checks
 from forgeax.ops.interface import define_op
 
 # Priority on each platform, best first (xla is always the fallback).
-_PRIORITY = {"gpu": ("triton",), "tpu": (), "cpu": ()}
+_PRIORITY = {"gpu": ("triton",), "tpu": ("pallas_tpu",), "cpu": ()}
 
 CROSS_ENTROPY = define_op(
     "cross_entropy",
     {
         "xla": "forgeax.kernels.xla.cross_entropy:CROSS_ENTROPY",
         "triton": "forgeax.kernels.triton.cross_entropy:CROSS_ENTROPY",
+        "pallas_tpu": "forgeax.kernels.pallas.tpu.cross_entropy:CROSS_ENTROPY",
     },
     _PRIORITY,
 )
@@ -39,18 +40,20 @@ def _number(name: str, value: Any) -> float:
     return number
 
 
-def _check(logits, targets, label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name) -> dict:
-    checks.floating_array("logits", logits, min_rank=1)
-    if logits.shape[-1] == 0:
-        raise ValueError(f"logits: expected a non-empty last (vocabulary) axis, got shape {tuple(logits.shape)}")
+def check_targets(targets, batch_shape: tuple, source: str) -> None:
+    """`targets` is an integer array of shape `batch_shape` (`source`, possessive: "logits'", without its last axis)."""
     if not (hasattr(targets, "shape") and hasattr(targets, "dtype")):
         raise TypeError(f"targets: expected a JAX or NumPy integer array, got {type(targets).__name__}")
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise TypeError(f"targets: expected an integer dtype (class ids), got {jnp.dtype(targets.dtype).name}")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+    if tuple(targets.shape) != tuple(batch_shape):
         raise ValueError(
-            f"targets: expected shape {tuple(logits.shape[:-1])} (logits' shape without its last axis), got {tuple(targets.shape)}"
+            f"targets: expected shape {tuple(batch_shape)} ({source} shape without its last axis), got {tuple(targets.shape)}"
         )
+
+
+def check_options(label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name) -> dict:
+    """Validates the loss options shared by cross_entropy and linear_cross_entropy; returns them normalised."""
     ls = _number("label_smoothing", label_smoothing)
     if not 0.0 <= ls <= 1.0:
         raise ValueError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
@@ -74,6 +77,14 @@ def _check(logits, targets, label_smoothing, ignore_index, reduction, z_loss, lo
         logit_soft_cap=logit_soft_cap,
         axis_name=axis_name,
     )
+
+
+def _check(logits, targets, label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name) -> dict:
+    checks.floating_array("logits", logits, min_rank=1)
+    if logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected a non-empty last (vocabulary) axis, got shape {tuple(logits.shape)}")
+    check_targets(targets, tuple(logits.shape[:-1]), "logits'")
+    return check_options(label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name)
 
 
 def cross_entropy(
@@ -123,8 +134,8 @@ def cross_entropy(
       z_loss: weight of lse(z)^2, >= 0.
       logit_soft_cap: None, or > 0 to apply cap * tanh(logits / cap) first.
       axis_name: None, or the `shard_map` mesh axis the vocabulary is split over.
-      backend: None (best for this device), "xla", "triton", or a
-        user-registered name.
+      backend: None (best for this device), "xla", "triton", "pallas_tpu"
+        ("pallas" on a TPU), or a user-registered name.
 
     Returns:
       f32: a scalar for "mean"/"sum"; for "none" an array of targets' shape

@@ -52,7 +52,7 @@ def fold_vmap_into_rows(fn: Callable[..., Any], row_args: Sequence[int]) -> Call
                 jax.tree.map(merge, arg, flag) if i in row_args and arg is not None else arg
                 for i, (arg, flag) in enumerate(zip(args, in_batched))
             ]
-            out = fn(*merged)
+            out = wrapped(*merged)  # the wrapper again: an outer vmap folds too
             out = jax.tree.map(lambda o: o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:]), out)
         return out, jax.tree.map(lambda _: True, out)
 

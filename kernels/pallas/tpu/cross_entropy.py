@@ -1,0 +1,326 @@
+"""Cross-entropy as Mosaic TPU Pallas kernels (forward and backward).
+
+NOT RUN ON A TPU: no TPU was available while writing this. The numerics are
+proven in Pallas' TPU interpreter (`pltpu.InterpretParams()`, the conformance
+suite tests/cross_entropy_test.py under FORGEAX_INTERPRET=1) and the Mosaic
+lowering by cross-lowering on CPU (tests/lowering_pallas_tpu_cross_entropy_test.py).
+Block sizes are reasoned about (VMEM budget, grid-step count), not measured.
+
+logits are viewed as (N, V) rows, targets as an (N, 1) int32 column with -1
+marking an ignored token (ignore_index and out-of-range targets are mapped to
+-1 by the wrapper). Per row, in f32, with z = cap * tanh(x / cap) or z = x:
+
+    lse  = m + log(sum_v exp(z_v - m)),  m = max_v z_v   (online, per vocab block)
+    loss = lse - (1 - ls) * z_t - ls / V * sum_v z_v + z_loss * lse^2
+    dloss/dx_v = s * (p_v * (1 + 2 z_loss lse) - (1 - ls) [v == t] - ls / V) * dz/dx
+    with p_v = exp(z_v - lse), dz/dx = 1 - (z / cap)^2, s = the row's cotangent.
+
+Kernels, both on a grid (row blocks, vocab blocks) of (block_rows, block_v) tiles:
+  * `_fwd_kernel`: the vocabulary axis is "arbitrary" (sequential): the running
+    max, sum of exp, target logit and sum of z live in (block_rows, 1) f32 VMEM
+    scratch across vocab blocks; the last vocab block writes loss and lse
+    ((N, 1) f32 each). The logits are read once.
+  * `_bwd_kernel`: every tile is independent ("parallel", "parallel"): it
+    recomputes p from the saved lse and writes s * dloss/dx in the logits'
+    dtype. Residuals are (logits, targets, lse): read logits twice and write
+    the gradient once for forward + backward, the HBM floor.
+The reduction ("mean"/"sum") is XLA on the per-token losses (the shared
+`reduce_loss`), so the kernels only ever see per-token cotangents.
+
+TPU block rules: the last two block dims are multiples of (8, 128) or equal the
+array's. Rows: all N, or a multiple of 8 (f32) / 16 (bf16, f16). Vocabulary: all
+V when V <= block_v, else block_v (a multiple of 128); then the last vocab
+block reads past V (undefined values, NaN in the interpreter) and an iota mask
+(`where`, never a multiply: 0 * NaN is NaN) keeps those lanes out of every sum.
+Rows past N in a ragged last row block compute garbage whose writes are dropped.
+
+Not handled (`supports` says why, selection falls back to xla): `axis_name`
+(vocabulary-parallel); logits dtypes other than f32/bf16/f16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.losses import reduce_loss
+from forgeax.ops.interface import Implementation, interpret_enabled
+
+__all__ = ["CROSS_ENTROPY", "Tiling", "tiling"]
+
+_F32 = jnp.float32
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# Tile shape: 128 rows x 4096 lanes is 2 MiB per f32 temporary and 1 MiB per
+# bf16 buffer. The backward holds the double-buffered x and dx tiles (4 MiB in
+# bf16, 8 in f32) plus a few f32 temporaries: well under the 32 MiB scoped VMEM
+# limit we ask for (v5e's default is 16 MiB; every current chip has >= 64 MiB
+# physical). At (8192, 128256) bf16 that is 64 x 32 = 2048 grid steps of 1 MiB
+# each, so the ~0.35 us per-step overhead stays small against the DMA time.
+_BLOCK_ROWS = 128
+_BLOCK_V = 4096
+_VMEM_LIMIT = 32 << 20
+# The TPU interpreter pays per grid step: on CPU it takes 4x wider vocab blocks
+# (V=50257 still runs 4 blocks, the last one masked).
+_INTERPRET_BLOCK_V = 16384
+
+
+def _row_align(dtype) -> int:
+    """Row-block multiple: 8 sublanes of 32 bits, 16 rows for 16-bit dtypes."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Block shape and grid of one (N, V) call; shared by the forward and backward."""
+
+    rows: int
+    vocab: int
+    block_rows: int
+    block_v: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (pl.cdiv(self.rows, self.block_rows), pl.cdiv(self.vocab, self.block_v))
+
+    @property
+    def ragged_v(self) -> bool:
+        return self.vocab % self.block_v != 0
+
+    def tile(self):  # (block_rows, block_v) slab of an (N, V) array
+        return pl.BlockSpec((self.block_rows, self.block_v), lambda i, j: (i, j))
+
+    def column(self):  # (block_rows, 1) slab of an (N, 1) per-row array, fixed across vocab blocks
+        return pl.BlockSpec((self.block_rows, 1), lambda i, j: (i, 0))
+
+
+def tiling(rows: int, vocab: int, dtype, *, block_v: int | None = None) -> Tiling:
+    """Legal TPU blocks for (rows, vocab) logits of `dtype`."""
+    if block_v is None:
+        block_v = _INTERPRET_BLOCK_V if interpret_enabled() else _BLOCK_V
+    align = _row_align(dtype)
+    br = rows if rows <= _BLOCK_ROWS else _BLOCK_ROWS // align * align
+    bv = vocab if vocab <= block_v else block_v
+    return Tiling(rows, vocab, br, bv)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    label_smoothing: float
+    z_loss: float
+    soft_cap: float  # 0.0: no cap
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _logits_tile(x_ref, t: Tiling, cap: float):
+    """(x, z, th, cols, in_range) for this grid step's tile, all f32 but the bool mask.
+
+    cols are global vocabulary ids; in_range is None when every lane is inside V.
+    """
+    x = x_ref[...].astype(_F32)
+    th = jnp.tanh(x * (1.0 / cap)) if cap else None  # a constant multiply, not a division
+    z = cap * th if cap else x
+    cols = pl.program_id(1) * t.block_v + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    in_range = cols < t.vocab if t.ragged_v else None
+    return x, z, th, cols, in_range
+
+
+def _fwd_kernel(x_ref, t_ref, loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc, *, t: Tiling, opts: _Options):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, _F32)
+        s_sc[...] = jnp.zeros(s_sc.shape, _F32)
+        zt_sc[...] = jnp.zeros(zt_sc.shape, _F32)
+        zsum_sc[...] = jnp.zeros(zsum_sc.shape, _F32)
+
+    _, z, _, cols, in_range = _logits_tile(x_ref, t, opts.soft_cap)
+    target = t_ref[...]  # (block_rows, 1); -1 never matches a column
+    z_max = z if in_range is None else jnp.where(in_range, z, -jnp.inf)
+    m_old = m_sc[...]
+    m_new = jnp.maximum(m_old, jnp.max(z_max, axis=1, keepdims=True))
+    # m_old = -inf on the first block: exp(-inf) = 0 scales the empty sum (m_new is finite).
+    s_sc[...] = s_sc[...] * jnp.exp(m_old - m_new) + jnp.sum(jnp.exp(z_max - m_new), axis=1, keepdims=True)
+    m_sc[...] = m_new
+    zt_sc[...] += jnp.sum(jnp.where(cols == target, z, 0.0), axis=1, keepdims=True)
+    if opts.label_smoothing:
+        z_in = z if in_range is None else jnp.where(in_range, z, 0.0)
+        zsum_sc[...] += jnp.sum(z_in, axis=1, keepdims=True)
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _finish():
+        lse = m_sc[...] + jnp.log(s_sc[...])
+        loss = lse - (1.0 - opts.label_smoothing) * zt_sc[...]
+        if opts.label_smoothing:
+            loss = loss - (opts.label_smoothing / t.vocab) * zsum_sc[...]
+        if opts.z_loss:
+            loss = loss + opts.z_loss * lse * lse
+        loss_ref[...] = jnp.where(target >= 0, loss, 0.0)
+        lse_ref[...] = lse
+
+
+def _bwd_kernel(x_ref, t_ref, lse_ref, ct_ref, dx_ref, *, t: Tiling, opts: _Options):
+    _, z, th, cols, _ = _logits_tile(x_ref, t, opts.soft_cap)
+    target = t_ref[...]
+    valid = target >= 0
+    lse = lse_ref[...]
+    scale = jnp.where(valid, ct_ref[...], 0.0)  # (block_rows, 1)
+    p_scale = scale * (1.0 + 2.0 * opts.z_loss * lse)  # d(lse + z_loss lse^2)/dlse
+    g = jnp.exp(z - lse) * p_scale - jnp.where(cols == target, scale * (1.0 - opts.label_smoothing), 0.0)
+    if opts.label_smoothing:
+        g = g - scale * (opts.label_smoothing / t.vocab)
+    if opts.soft_cap:
+        g = g * (1.0 - th * th)  # d(cap tanh(x / cap))/dx
+    # Exact zeros on ignored rows, even for inf/NaN logits. Lanes past V are dropped on write.
+    dx_ref[...] = jnp.where(valid, g, 0.0).astype(dx_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _pallas(kernel, *, t: Tiling, in_specs, out_specs, out_shape, semantics, cost, scratch_shapes=(), interpret):
+    call = pl.pallas_call(
+        kernel,
+        grid=t.grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch_shapes,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT),
+        cost_estimate=cost,
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )
+    return _without_effects(call, out_shape) if interpret else call
+
+
+def _without_effects(call, out_shape):
+    """Runs the interpreted `call` in its own jit, behind an effect-free `pure_callback`.
+
+    The TPU interpreter simulates memory with ordered io_callbacks, and JAX
+    refuses to differentiate `jax.checkpoint` around effects ("Effects not
+    supported in AD of checkpoint/remat"). The kernel is pure, so hiding the
+    interpreter behind a pure_callback is sound, lets interpret mode run
+    everything the compiled kernel supports, and (with the lru_caches below)
+    compiles each interpreted kernel once per process, not once per trace.
+    CPU interpreter only; the compiled TPU path calls the pallas_call directly.
+    """
+    jitted = jax.jit(call)
+
+    def run(*args):
+        # "sequential": a vmap that reaches the kernel un-folded (nested vmaps) loops over it.
+        return jax.pure_callback(jitted, out_shape, *args, vmap_method="sequential")
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_call(t: Tiling, dtype, opts: _Options, interpret: bool):
+    """(N, V) logits, (N, 1) int32 targets -> (loss, lse), each (N, 1) f32."""
+    col_f32 = jax.ShapeDtypeStruct((t.rows, 1), _F32)
+    size = t.rows * t.vocab
+    return _pallas(
+        functools.partial(_fwd_kernel, t=t, opts=opts),
+        t=t,
+        in_specs=[t.tile(), t.column()],
+        out_specs=[t.column(), t.column()],
+        out_shape=[col_f32, col_f32],
+        scratch_shapes=[pltpu.VMEM((t.block_rows, 1), _F32) for _ in range(4)],
+        semantics=("parallel", "arbitrary"),
+        cost=pl.CostEstimate(flops=6 * size, transcendentals=size * (2 if opts.soft_cap else 1), bytes_accessed=size * dtype.itemsize),
+        interpret=interpret,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_call(t: Tiling, dtype, opts: _Options, interpret: bool):
+    """(N, V) logits, (N, 1) int32 targets, lse, cotangent (N, 1) f32 -> dx (N, V) in the logits' dtype."""
+    size = t.rows * t.vocab
+    return _pallas(
+        functools.partial(_bwd_kernel, t=t, opts=opts),
+        t=t,
+        in_specs=[t.tile(), t.column(), t.column(), t.column()],
+        out_specs=t.tile(),
+        out_shape=jax.ShapeDtypeStruct((t.rows, t.vocab), dtype),
+        semantics=("parallel", "parallel"),
+        cost=pl.CostEstimate(flops=8 * size, transcendentals=size * (2 if opts.soft_cap else 1), bytes_accessed=2 * size * dtype.itemsize),
+        interpret=interpret,
+    )
+
+
+def _loss_rows(x2, t, *, opts: _Options):
+    rows, v = x2.shape
+    return _fwd_call(tiling(rows, v, x2.dtype), jnp.dtype(x2.dtype), opts, interpret_enabled())(x2, t)
+
+
+def _grad_rows(x2, t, lse, ct, *, opts: _Options):
+    rows, v = x2.shape
+    return _bwd_call(tiling(rows, v, x2.dtype), jnp.dtype(x2.dtype), opts, interpret_enabled())(x2, t, lse, ct)
+
+
+# Row kernels under vmap: a batch axis folds into the rows (every argument is per row).
+def _rowwise(fn, opts, n_args):
+    return fold_vmap_into_rows(functools.partial(fn, opts=opts), row_args=tuple(range(n_args)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _per_token(x2, t, opts):
+    return _rowwise(_loss_rows, opts, 2)(x2, t)[0]
+
+
+def _per_token_fwd(x2, t, opts):
+    loss, lse = _rowwise(_loss_rows, opts, 2)(x2, t)
+    return loss, (x2, t, lse)
+
+
+def _per_token_bwd(opts, residuals, ct):
+    x2, t, lse = residuals
+    dx = _rowwise(_grad_rows, opts, 4)(x2, t, lse, ct.astype(_F32))
+    return dx, None  # integer targets: no cotangent
+
+
+_per_token.defvjp(_per_token_fwd, _per_token_bwd)
+
+
+# ----------------------------------------------------------------------------- public entry point
+
+
+def cross_entropy(
+    logits, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", z_loss=0.0,
+    logit_soft_cap=None, axis_name=None,
+):
+    """The op's contract (forgeax.ops.cross_entropy) on one device."""
+    if axis_name is not None:
+        raise NotImplementedError("the Mosaic TPU cross_entropy has no vocabulary-parallel path; use backend='xla'")
+    v = logits.shape[-1]
+    t = targets.reshape(-1).astype(jnp.int32)
+    valid = (t != ignore_index) & (t >= 0) & (t < v)
+    opts = _Options(float(label_smoothing), float(z_loss), float(logit_soft_cap or 0.0))
+    if t.shape[0] == 0:  # no tokens: nothing to launch (a zero-size grid is not a kernel)
+        loss = jnp.zeros(targets.shape, _F32)
+    else:
+        column = jnp.where(valid, t, -1)[:, None]
+        loss = _per_token(logits.reshape(-1, v), column, opts).reshape(targets.shape)
+    return reduce_loss(loss, valid, reduction)
+
+
+def _supports(logits, targets, *, axis_name=None, **options):
+    del targets, options
+    if axis_name is not None:
+        return "vocabulary-parallel (axis_name) runs in the xla backend only"
+    if jnp.dtype(logits.dtype) not in _DTYPES:
+        return f"logits dtype {jnp.dtype(logits.dtype).name} is not one of float32/bfloat16/float16"
+    if logits.shape[-1] == 0:
+        return "empty vocabulary axis"
+    return None
+
+
+CROSS_ENTROPY = Implementation(fn=cross_entropy, platforms={"tpu"}, interpretable=True, supports=_supports)
