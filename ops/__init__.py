@@ -20,6 +20,7 @@ from forgeax.ops.interface import (
     register_backend,
 )
 from forgeax.ops.cross_entropy import cross_entropy
+from forgeax.ops.linear_cross_entropy import linear_cross_entropy
 from forgeax.ops.norms import layer_norm, rms_norm
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "interpret_enabled",
     "interpret_mode",
     "layer_norm",
+    "linear_cross_entropy",
     "register_backend",
     "rms_norm",
 ]

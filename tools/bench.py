@@ -50,6 +50,8 @@ class Timing:
     fraction_of_floor: float
     speedup_vs_xla: float | None = None
     note: str = ""
+    # Temporary bytes of the compiled call (XLA's memory analysis), None where unavailable.
+    temp_bytes: float | None = None
 
 
 def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float]:
@@ -65,6 +67,14 @@ def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float
         jax.block_until_ready(out)
         rounds.append((time.perf_counter() - start) / calls)
     return rounds
+
+
+def temp_bytes(fn, args) -> float | None:
+    """Temporary memory of `fn`'s compiled executable (excludes arguments and outputs)."""
+    try:
+        return float(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend/runtime reports it
+        return None
 
 
 def copy_bandwidth(calls: int, reps: int) -> float:
@@ -99,14 +109,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"  skip {op_name} {shape.name} {mode} {backend}: {why}", flush=True)
                         continue
                     try:
-                        rounds = time_call(spec.build(backend, mode), inputs, calls=args.calls, reps=args.reps)
+                        fn = spec.build(backend, mode)
+                        temp = temp_bytes(fn, inputs)
+                        rounds = time_call(fn, inputs, calls=args.calls, reps=args.reps)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
                         print(f"  FAIL {op_name} {shape.name} {mode} {backend}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     med = statistics.median(rounds)
                     row.append(Timing(op_name, shape.name, shape.dims, shape.dtype, mode, backend, med * 1e3,
                                       (min(rounds) * 1e3, max(rounds) * 1e3), nbytes, flops, nbytes / med / 1e12,
-                                      flops / med / 1e12, floor_s / med))
+                                      flops / med / 1e12, floor_s / med, temp_bytes=temp))
                 xla = next((t for t in row if t.backend == "xla"), None)
                 results += [dataclasses.replace(t, speedup_vs_xla=(xla.median_ms / t.median_ms) if xla else None) for t in row]
     return {
@@ -140,12 +152,13 @@ def print_table(report: dict[str, Any]) -> None:
             print(r)
         return
     table = Table(title=f"{report['device']}: copy ceiling {report['copy_ceiling_tb_per_s'] * 1e3:.0f} GB/s")
-    for col in ("op", "shape", "dtype", "mode", "backend", "ms", "GB/s", "TFLOP/s", "of floor", "vs xla"):
+    for col in ("op", "shape", "dtype", "mode", "backend", "ms", "GB/s", "TFLOP/s", "of floor", "vs xla", "temp GB"):
         table.add_column(col, justify="right" if col not in ("op", "shape", "backend", "mode", "dtype") else "left")
     for r in report["results"]:
         table.add_row(r["op"], f"{r['shape']} {list(r['dims'])}", r["dtype"], r["mode"], r["backend"], f"{r['median_ms']:.4f}",
                       f"{r['tb_per_s'] * 1e3:.0f}", f"{r['tflop_per_s']:.1f}" if r["flops"] else "-", f"{r['fraction_of_floor']:.0%}",
-                      f"{r['speedup_vs_xla']:.2f}x" if r["speedup_vs_xla"] else "-")
+                      f"{r['speedup_vs_xla']:.2f}x" if r["speedup_vs_xla"] else "-",
+                      f"{r['temp_bytes'] / 1e9:.3f}" if r.get("temp_bytes") is not None else "-")
     Console(width=200).print(table)
 
 

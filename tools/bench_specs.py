@@ -122,3 +122,43 @@ def _cross_entropy_spec() -> Spec:
 
 
 SPECS["cross_entropy"] = _cross_entropy_spec()
+
+
+def _linear_cross_entropy_spec() -> Spec:
+    # dims: (tokens N, hidden H, vocabulary V).
+    shapes = (
+        Shape("llama3-8b 8k tokens x 128k vocab", (8192, 4096, 128256), "bfloat16"),
+        Shape("small f32", (512, 256, 8000), "float32", small=True),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        n, h, v = shape.dims
+        kx, kw, kt = jax.random.split(key, 3)
+        x = jax.random.normal(kx, (n, h), jnp.float32).astype(shape.dtype)
+        w = (jax.random.normal(kw, (h, v), jnp.float32) / h**0.5).astype(shape.dtype)
+        targets = jax.random.randint(kt, (n,), 0, v, jnp.int32)
+        return x, w, targets, jnp.float32(1.0)  # last: the cotangent of the mean loss
+
+    def build(backend: str, mode: str) -> Callable[..., Any]:
+        fn = functools.partial(ops.linear_cross_entropy, backend=backend)
+        if mode == "fwd":
+            return jax.jit(lambda x, w, targets, ct: fn(x, w, targets))
+
+        def fwd_bwd(x, w, targets, ct):
+            loss, pullback = jax.vjp(lambda a, b: fn(a, b, targets), x, w)
+            return (loss,) + pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        n, h, v = shape.dims
+        itemsize = jnp.dtype(shape.dtype).itemsize
+        # Bytes: read x and W (fwd+bwd: also write dx and dW). FLOPs: the logits
+        # matmul (fwd); + dx = g @ W^T and dW = x^T @ g (fwd+bwd).
+        passes = 1 if mode == "fwd" else 2
+        return passes * (n * h + h * v) * itemsize, (1 if mode == "fwd" else 3) * 2.0 * n * h * v
+
+    return Spec("linear_cross_entropy", shapes, make_inputs, build, floor)
+
+
+SPECS["linear_cross_entropy"] = _linear_cross_entropy_spec()

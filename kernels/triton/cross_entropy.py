@@ -197,17 +197,20 @@ class _Options:
 _INTERPRET_BLOCK_V = 32768
 
 
-def _launch(kernel, args, out_shape, rows: int, v: int, opts: _Options):
+def _launch(kernel, args, out_shape, rows: int, v: int, opts: _Options, aliases=None):
     block_v = opts.config.block_v
     if opts.config == CrossEntropyConfig() and interpret_enabled():
         block_v = _INTERPRET_BLOCK_V
     block_v = min(block_v, triton.next_power_of_2(v))
     num_warps = max(1, min(opts.config.num_warps, block_v // 256))
+    # aliases: {input index: output index} written in place (GPU only; the interpreter copies).
+    extra = {"input_output_aliases": aliases} if aliases and not interpret_enabled() else {}
     return triton_call(
         *args,
         kernel=kernel,
         out_shape=out_shape,
         grid=(rows,),
+        **extra,
         num_warps=num_warps,
         num_stages=1,
         ROWS=rows, V=v, BLOCK_V=block_v,
@@ -221,20 +224,28 @@ def _loss_rows(x2, t, *, opts):
     return _launch(_loss_kernel, (x2, t), (row_f32, row_f32), rows, v, opts)
 
 
-def _grad_rows(x2, t, lse, scale, *, opts):
+# grad_dtype: the gradient's dtype (default the logits'); fused linear CE reads
+# f32 logits and wants the gradient in the matmul dtype.
+# in_place: the gradient overwrites the logits (same dtype; each block is read before
+# it is written, by the program that owns the row).
+def _grad_rows(x2, t, lse, scale, *, opts, grad_dtype=None, in_place=False):
     rows, v = x2.shape
-    return _launch(_grad_kernel, (x2, t, lse, scale), jax.ShapeDtypeStruct(x2.shape, x2.dtype), rows, v, opts)
+    dx = jax.ShapeDtypeStruct(x2.shape, grad_dtype or x2.dtype)
+    aliases = {0: 0} if in_place and dx.dtype == x2.dtype else None
+    return _launch(_grad_kernel, (x2, t, lse, scale), dx, rows, v, opts, aliases)
 
 
-def _loss_grad_rows(x2, t, *, opts):
+def _loss_grad_rows(x2, t, *, opts, grad_dtype=None, in_place=False):
     rows, v = x2.shape
     row_f32 = jax.ShapeDtypeStruct((rows,), jnp.float32)
-    return _launch(_loss_grad_kernel, (x2, t), (row_f32, row_f32, jax.ShapeDtypeStruct(x2.shape, x2.dtype)), rows, v, opts)
+    dx = jax.ShapeDtypeStruct(x2.shape, grad_dtype or x2.dtype)
+    aliases = {0: 2} if in_place and dx.dtype == x2.dtype else None
+    return _launch(_loss_grad_kernel, (x2, t), (row_f32, row_f32, dx), rows, v, opts, aliases)
 
 
 # Row kernels under vmap: a batch axis folds into the rows (every argument is per row).
-def _rowwise(fn, opts, n_args):
-    return fold_vmap_into_rows(functools.partial(fn, opts=opts), row_args=tuple(range(n_args)))
+def _rowwise(fn, opts, n_args, **static):
+    return fold_vmap_into_rows(functools.partial(fn, opts=opts, **static), row_args=tuple(range(n_args)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -261,6 +272,33 @@ def _per_token_bwd(opts, residuals, ct):
 
 
 _per_token.defvjp(_per_token_fwd, _per_token_bwd)
+
+
+# ----------------------------------------------------------------------------- row functions for other ops
+
+
+def row_options(*, label_smoothing=0.0, z_loss=0.0, logit_soft_cap=None, config: CrossEntropyConfig | None = None) -> _Options:
+    """The static options of the row functions below."""
+    return _Options(float(label_smoothing), float(z_loss), float(logit_soft_cap or 0.0), config or CrossEntropyConfig())
+
+
+def loss_rows(logits2d, targets, opts: _Options):
+    """(loss [N], lse [N]) f32 of 2-D logits; targets int32 [N], -1 = ignored (loss 0)."""
+    return _rowwise(_loss_rows, opts, 2)(logits2d, targets)
+
+
+def loss_and_grad_rows(logits2d, targets, opts: _Options, grad_dtype=None, in_place=False):
+    """(loss, lse, d loss_row / d logits in grad_dtype): one kernel, the row read twice.
+
+    in_place: the gradient is written over `logits2d` when the dtypes match
+    (XLA copies the logits first if they are still live).
+    """
+    return _rowwise(_loss_grad_rows, opts, 2, grad_dtype=grad_dtype, in_place=in_place)(logits2d, targets)
+
+
+def grad_rows(logits2d, targets, lse, scale, opts: _Options, grad_dtype=None, in_place=False):
+    """scale[:, None] * d loss_row / d logits, given the rows' lse (f32 [N]) and scale (f32 [N])."""
+    return _rowwise(_grad_rows, opts, 4, grad_dtype=grad_dtype, in_place=in_place)(logits2d, targets, lse, scale)
 
 
 # ----------------------------------------------------------------------------- public entry point

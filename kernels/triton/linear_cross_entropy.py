@@ -1,0 +1,69 @@
+"""Linear + cross-entropy on GPUs: XLA matmuls (cuBLAS) around the Triton cross-entropy row kernels.
+
+The chunk loop is kernels/common/linear_cross_entropy.py (its docstring has
+the algorithm): per chunk of C tokens, logits = x_c @ W (+ b) as an XLA dot
+(cuBLAS, f32 accumulation) stored in the matmul dtype (bf16 for bf16 x and W,
+as the unfused `x @ W` would), then one Triton launch on that chunk,
+`_loss_grad_kernel` of kernels/triton/cross_entropy.py: per row the online
+log-sum-exp and the loss in f32, then the gradient d loss / d logits written
+over the logits in place, ready for the next two matmuls (dx_c = g @ W^T,
+dW += x_c^T @ g). For reduction="none" the backward reruns the loop with
+`_grad_kernel`, given lse and the per-row cotangent.
+
+Measured on one H200 (jax 0.11.2), x [8192, 4096], W [4096, 128256] bf16,
+mean loss, forward+backward: 40.3 ms (641 TFLOP/s over the 3 matmuls),
+0.61 GB of temporaries, default chunk 2048 tokens (0.5 GB of bf16 logits);
+XLA with the [N, V] logits materialised in bf16, same run: 41.2 ms, 6.3 GB;
+chunk 1024: 41.7 ms, 0.33 GB; f32 logits (+ a separate bf16 gradient) at
+chunk 1024: 42.5 ms, 0.80 GB. Per chunk of 1024 the parts were: logits
+matmul 1.53 ms, the Triton kernel (f32 logits) 0.34 ms, dx matmul 1.42 ms,
+dW += matmul 1.74 ms (the beta=1 read of dW), and once: scaling dW by the
+cotangent, 0.65 ms.
+No vocabulary-parallel path (axis_name): that runs in "xla_chunked".
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.triton import cross_entropy as triton_ce
+from forgeax.ops.interface import Implementation
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _row_options(opts: chunked.Options):
+    return triton_ce.row_options(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, logit_soft_cap=opts.soft_cap or None)
+
+
+def _loss(logits, t, opts):
+    return triton_ce.loss_rows(logits, t, _row_options(opts))
+
+
+def _loss_and_grad(logits, t, opts, dtype):
+    return triton_ce.loss_and_grad_rows(logits, t, _row_options(opts), grad_dtype=dtype, in_place=True)
+
+
+def _grad(logits, t, lse, scale, opts, dtype):
+    return triton_ce.grad_rows(logits, t, lse, scale, _row_options(opts), grad_dtype=dtype, in_place=True)
+
+
+CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=False)
+
+
+def _supports(x, weight, targets, *, axis_name=None, **options):
+    del targets, options
+    if axis_name is not None:
+        return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
+    for name, a in (("x", x), ("weight", weight)):
+        if a.dtype not in _DTYPES:
+            return f"{name} dtype {jnp.dtype(a.dtype).name} is not one of float32/bfloat16/float16"
+    if x.size == 0:
+        return "no tokens"
+    return None
+
+
+LINEAR_CROSS_ENTROPY = Implementation(
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS), platforms={"gpu"}, interpretable=True, supports=_supports,
+)

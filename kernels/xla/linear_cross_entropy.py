@@ -1,0 +1,141 @@
+"""Linear + cross-entropy in XLA: the reference, and a chunked memory-efficient variant.
+
+    loss = cross_entropy(x @ W + b, targets)      x [..., H], W [H, V], b [V]
+
+with the logits computed in f32 (`preferred_element_type=float32`) and the
+cross-entropy of kernels/xla/cross_entropy.py (its docstring has the math).
+
+  * `LINEAR_CROSS_ENTROPY` ("xla"): the reference and the oracle. It
+    materialises the [N, V] f32 logits (6.3 GB of temporaries at N=8192,
+    H=4096, V=128256 in bf16); the gradient is autodiff.
+  * `LINEAR_CROSS_ENTROPY_CHUNKED` ("xla_chunked"): the chunk loop of
+    kernels/common/linear_cross_entropy.py (the per-chunk memory is the f32
+    logits [C, V] and their gradient [C, V]) with the per-chunk cross-entropy
+    below, in closed form. Per row, z = cap * tanh(l / cap) (or l), t the
+    target, p = softmax(z), ls the label smoothing, V the global vocabulary:
+
+        loss   = lse - (1 - ls) z_t - ls * mean_v(z_v) + z_loss * lse^2
+        dl/dl_v = (p_v (1 + 2 z_loss lse) - (1 - ls) [v == t] - ls / V) * (1 - (z_v / cap)^2)
+
+    With `axis_name` each device holds a slice of V; the row max is pmax-ed and
+    the sum of exponentials, target logit and sum of logits are psum-ed (as in
+    the cross-entropy reference), so lse and the loss are global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Integer
+
+from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.xla import cross_entropy as ce_reference
+from forgeax.ops.interface import Implementation
+
+
+def linear_cross_entropy(
+    x: Float[Array, "*B H"],
+    weight: Float[Array, "H V"],
+    targets: Integer[Array, "*B"],
+    *,
+    bias: Float[Array, "V"] | None = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    logit_soft_cap: float | None = None,
+    axis_name: Hashable | None = None,
+    chunk_size: int | None = None,
+) -> Float[Array, "..."]:
+    del chunk_size  # the reference materialises every logit at once
+    dtype = jnp.promote_types(x.dtype, weight.dtype)
+    logits = jnp.matmul(x.astype(dtype), weight.astype(dtype), preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    return ce_reference.cross_entropy(
+        logits, targets, label_smoothing=label_smoothing, ignore_index=ignore_index, reduction=reduction,
+        z_loss=z_loss, logit_soft_cap=logit_soft_cap, axis_name=axis_name,
+    )
+
+
+LINEAR_CROSS_ENTROPY = Implementation(fn=linear_cross_entropy)
+
+
+# ----------------------------------------------------------------------------- the chunked variant
+
+
+def _vocab(opts, local: int):
+    """(first global id of this shard, global vocabulary size)."""
+    if opts.axis_name is None:
+        return 0, local
+    return lax.axis_index(opts.axis_name) * local, local * lax.axis_size(opts.axis_name)
+
+
+def _capped(logits, opts):
+    """(z, tanh(l / cap) or None)."""
+    if not opts.soft_cap:
+        return logits, None
+    th = jnp.tanh(logits / opts.soft_cap)
+    return opts.soft_cap * th, th
+
+
+def _loss(logits, t, opts):
+    z, _ = _capped(logits, opts)
+    local = z.shape[-1]
+    first, vocab = _vocab(opts, local)
+    m = jnp.max(z, axis=-1)
+    if opts.axis_name is not None:
+        m = lax.pmax(m, opts.axis_name)
+    here_t = t - first
+    here = (here_t >= 0) & (here_t < local)  # t = -1 (ignored) is on no shard
+    picked = jnp.take_along_axis(z, jnp.clip(here_t, 0, local - 1)[:, None], axis=-1)[:, 0]
+    sums = [jnp.sum(jnp.exp(z - m[:, None]), axis=-1), jnp.where(here, picked, 0.0)]
+    if opts.label_smoothing:
+        sums.append(jnp.sum(z, axis=-1))
+    if opts.axis_name is not None:
+        sums = lax.psum(sums, opts.axis_name)
+    lse = m + jnp.log(sums[0])
+    loss = lse - (1.0 - opts.label_smoothing) * sums[1]
+    if opts.label_smoothing:
+        loss = loss - opts.label_smoothing / vocab * sums[2]
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse * lse
+    return jnp.where(t >= 0, loss, 0.0), lse
+
+
+def _grad(logits, t, lse, scale, opts, dtype):
+    z, th = _capped(logits, opts)
+    local = z.shape[-1]
+    first, vocab = _vocab(opts, local)
+    valid = (t >= 0)[:, None]
+    scale = jnp.where(t >= 0, scale, 0.0)[:, None]
+    hit = jnp.arange(local)[None, :] == (t - first)[:, None]
+    g = jnp.exp(z - lse[:, None]) * (scale * (1.0 + 2.0 * opts.z_loss * lse[:, None]))
+    g = g - jnp.where(hit, scale * (1.0 - opts.label_smoothing), 0.0)
+    if opts.label_smoothing:
+        g = g - scale * (opts.label_smoothing / vocab)
+    if th is not None:
+        g = g * (1.0 - th * th)
+    return jnp.where(valid, g, 0.0).astype(dtype)  # exact zeros on ignored rows, even for inf logits
+
+
+def _loss_and_grad(logits, t, opts, dtype):
+    loss, lse = _loss(logits, t, opts)
+    return loss, lse, _grad(logits, t, lse, jnp.ones_like(lse), opts, dtype)
+
+
+CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad)
+
+
+def _supports_chunked(x, weight, targets, **options):
+    del weight, targets, options
+    if x.size == 0:
+        return "no tokens"
+    return None
+
+
+LINEAR_CROSS_ENTROPY_CHUNKED = Implementation(
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS), supports=_supports_chunked,
+)
