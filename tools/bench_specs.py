@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,16 @@ class Spec:
     floor: Callable[[Shape, str], tuple[float, float]]
     # Keyword options every call passes (also given to each backend's supports()).
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _passes_floor(*, fwd: int, fwd_bwd: int) -> Callable[[Shape, str], tuple[float, float]]:
+    """A memory-bound op's floor: `fwd` / `fwd_bwd` passes over an array of the shape (bytes, no FLOPs)."""
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        pass_bytes = math.prod(shape.dims) * jnp.dtype(shape.dtype).itemsize
+        return (fwd if mode == "fwd" else fwd_bwd) * pass_bytes, 0.0
+
+    return floor
 
 
 NORM_EPS = 1e-6
@@ -70,15 +81,8 @@ def _norm_spec(op_name: str, public: Callable[..., Any], has_offset: bool) -> Sp
 
         return jax.jit(fwd_bwd)
 
-    def floor(shape: Shape, mode: str) -> tuple[float, float]:
-        n = 1
-        for d in shape.dims:
-            n *= d
-        pass_bytes = n * jnp.dtype(shape.dtype).itemsize
-        # fwd: read x, write y. fwd+bwd adds: read x and dy, write dx.
-        return (2 if mode == "fwd" else 5) * pass_bytes, 0.0
-
-    return Spec(op_name, shapes, make_inputs, build, floor, options={"eps": NORM_EPS})
+    # fwd: read x, write y. fwd+bwd adds: read x and dy, write dx.
+    return Spec(op_name, shapes, make_inputs, build, _passes_floor(fwd=2, fwd_bwd=5), options={"eps": NORM_EPS})
 
 
 SPECS: dict[str, Spec] = {
@@ -110,15 +114,8 @@ def _cross_entropy_spec() -> Spec:
 
         return jax.jit(fwd_bwd)
 
-    def floor(shape: Shape, mode: str) -> tuple[float, float]:
-        n = 1
-        for d in shape.dims:
-            n *= d
-        pass_bytes = n * jnp.dtype(shape.dtype).itemsize
-        # fwd: read the logits once. fwd+bwd: read them twice (loss, then gradient), write the gradient once.
-        return (1 if mode == "fwd" else 3) * pass_bytes, 0.0
-
-    return Spec("cross_entropy", shapes, make_inputs, build, floor)
+    # fwd: read the logits once. fwd+bwd: read them twice (loss, then gradient), write the gradient once.
+    return Spec("cross_entropy", shapes, make_inputs, build, _passes_floor(fwd=1, fwd_bwd=3))
 
 
 SPECS["cross_entropy"] = _cross_entropy_spec()
