@@ -15,7 +15,7 @@ python3 -c "import forgeax, jax, triton, jax_triton; print(forgeax.__file__, jax
 
 # 1. Conformance on the GPU: every backend natively (no interpreters).
 (cd /tmp && timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs -x --junitxml="$OUT/junit.xml" \
-    "$REPO/tests/interface_test.py" ${TESTS:-"$REPO/tests/norms_test.py $REPO/tests/cross_entropy_test.py $REPO/tests/linear_cross_entropy_test.py"}) 2>&1 | tee "$OUT/tests.log" | tail -25
+    "$REPO/tests/interface_test.py" ${TESTS:-$REPO/tests/norms_test.py $REPO/tests/cross_entropy_test.py $REPO/tests/linear_cross_entropy_test.py}) 2>&1 | tee "$OUT/tests.log" | tail -25
 
 # 2. Benchmarks, side by side with XLA, JSON to $OUT.
 timeout ${BENCH_TIMEOUT:-300} python3 tools/bench.py ${BENCH_ARGS:---op rms_norm --op layer_norm --op cross_entropy --op linear_cross_entropy} --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -40
