@@ -12,7 +12,7 @@ from forgeax.ops.interface import define_op
 
 # Priority on each platform, best first (xla, the materialising reference, is
 # always the fallback, and stays the CPU default).
-_PRIORITY = {"gpu": ("triton", "xla_chunked"), "tpu": ("xla_chunked",), "cpu": ()}
+_PRIORITY = {"gpu": ("triton", "xla_chunked"), "tpu": ("pallas_tpu", "xla_chunked"), "cpu": ()}
 
 LINEAR_CROSS_ENTROPY = define_op(
     "linear_cross_entropy",
@@ -20,6 +20,7 @@ LINEAR_CROSS_ENTROPY = define_op(
         "xla": "forgeax.kernels.xla.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
         "xla_chunked": "forgeax.kernels.xla.linear_cross_entropy:LINEAR_CROSS_ENTROPY_CHUNKED",
         "triton": "forgeax.kernels.triton.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
+        "pallas_tpu": "forgeax.kernels.pallas.tpu.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
     },
     _PRIORITY,
 )
@@ -98,7 +99,8 @@ def linear_cross_entropy(
         efficiency), and the chunks are evened out to pad the fewest tokens.
         The reference ignores it.
       backend: None (best for this device), "xla" (materialises the logits),
-        "xla_chunked", "triton", or a user-registered name.
+        "xla_chunked", "triton", "pallas_tpu" ("pallas" on a TPU), or a
+        user-registered name.
 
     Returns:
       f32: a scalar for "mean"/"sum"; for "none" an array of targets' shape.

@@ -263,5 +263,5 @@ def test_bad_inputs_raise_errors_that_name_the_argument():
 def test_selection_on_this_platform():
     x, w, t, _ = _inputs(2, 8, 64, jnp.float32, seed=20, bias=False)
     chosen = ops.explain(lambda x, w, t: ops.linear_cross_entropy(x, w, t), x, w, t).backends()
-    expected = {"gpu": "triton", "tpu": "xla_chunked", "cpu": "xla"}[interface.current_platform()]
+    expected = {"gpu": "triton", "tpu": "pallas_tpu", "cpu": "xla"}[interface.current_platform()]
     assert chosen == (expected,)

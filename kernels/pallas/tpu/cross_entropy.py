@@ -52,7 +52,7 @@ from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.losses import reduce_loss
 from forgeax.ops.interface import Implementation, interpret_enabled
 
-__all__ = ["CROSS_ENTROPY", "Tiling", "tiling"]
+__all__ = ["CROSS_ENTROPY", "Tiling", "grad_rows", "loss_rows", "row_options", "tiling"]
 
 _F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -241,17 +241,21 @@ def _fwd_call(t: Tiling, dtype, opts: _Options, interpret: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_call(t: Tiling, dtype, opts: _Options, interpret: bool):
-    """(N, V) logits, (N, 1) int32 targets, lse, cotangent (N, 1) f32 -> dx (N, V) in the logits' dtype."""
+def _bwd_call(t: Tiling, dtype, opts: _Options, interpret: bool, grad_dtype=None):
+    """(N, V) logits, (N, 1) int32 targets, lse, cotangent (N, 1) f32 -> dx (N, V) in grad_dtype (default: the logits')."""
     size = t.rows * t.vocab
+    grad_dtype = dtype if grad_dtype is None else jnp.dtype(grad_dtype)  # (np.dtype is falsy: no `or`)
     return _pallas(
         functools.partial(_bwd_kernel, t=t, opts=opts),
         t=t,
         in_specs=[t.tile(), t.column(), t.column(), t.column()],
         out_specs=t.tile(),
-        out_shape=jax.ShapeDtypeStruct((t.rows, t.vocab), dtype),
+        out_shape=jax.ShapeDtypeStruct((t.rows, t.vocab), grad_dtype),
         semantics=("parallel", "parallel"),
-        cost=pl.CostEstimate(flops=8 * size, transcendentals=size * (2 if opts.soft_cap else 1), bytes_accessed=2 * size * dtype.itemsize),
+        cost=pl.CostEstimate(
+            flops=8 * size, transcendentals=size * (2 if opts.soft_cap else 1),
+            bytes_accessed=size * (dtype.itemsize + grad_dtype.itemsize),
+        ),
         interpret=interpret,
     )
 
@@ -261,14 +265,18 @@ def _loss_rows(x2, t, *, opts: _Options):
     return _fwd_call(tiling(rows, v, x2.dtype), jnp.dtype(x2.dtype), opts, interpret_enabled())(x2, t)
 
 
-def _grad_rows(x2, t, lse, ct, *, opts: _Options):
+def _grad_rows(x2, t, lse, ct, *, opts: _Options, grad_dtype=None):
     rows, v = x2.shape
-    return _bwd_call(tiling(rows, v, x2.dtype), jnp.dtype(x2.dtype), opts, interpret_enabled())(x2, t, lse, ct)
+    # The row block must suit both the logits' and the gradient's dtype (16 rows for 16-bit).
+    grad_dtype = jnp.dtype(x2.dtype if grad_dtype is None else grad_dtype)
+    narrow = min(jnp.dtype(x2.dtype), grad_dtype, key=lambda d: d.itemsize)
+    call = _bwd_call(tiling(rows, v, narrow), jnp.dtype(x2.dtype), opts, interpret_enabled(), grad_dtype)
+    return call(x2, t, lse, ct)
 
 
 # Row kernels under vmap: a batch axis folds into the rows (every argument is per row).
-def _rowwise(fn, opts, n_args):
-    return fold_vmap_into_rows(functools.partial(fn, opts=opts), row_args=tuple(range(n_args)))
+def _rowwise(fn, opts, n_args, **kwargs):
+    return fold_vmap_into_rows(functools.partial(fn, opts=opts, **kwargs), row_args=tuple(range(n_args)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -288,6 +296,29 @@ def _per_token_bwd(opts, residuals, ct):
 
 
 _per_token.defvjp(_per_token_fwd, _per_token_bwd)
+
+
+# ----------------------------------------------------------------------------- row entry points
+# For callers that own the differentiation (the linear_cross_entropy chunk loop):
+# 2-D logits, 1-D per-row arrays, no custom_vjp.
+
+
+def row_options(*, label_smoothing=0.0, z_loss=0.0, logit_soft_cap=None) -> _Options:
+    """The static options of the row functions below."""
+    return _Options(float(label_smoothing), float(z_loss), float(logit_soft_cap or 0.0))
+
+
+def loss_rows(logits2d, targets, opts: _Options):
+    """(loss [N], lse [N]) f32 of 2-D logits; targets int32 [N], -1 = ignored (loss 0). One launch."""
+    loss, lse = _rowwise(_loss_rows, opts, 2)(logits2d, targets[:, None])
+    return loss[:, 0], lse[:, 0]
+
+
+def grad_rows(logits2d, targets, lse, scale, opts: _Options, grad_dtype=None):
+    """scale[:, None] * d loss_row / d logits in grad_dtype (default the logits'), given the
+    rows' lse and scale (f32 [N]); exact zeros on ignored rows. One launch."""
+    col = lambda a: a.astype(_F32)[:, None]  # noqa: E731
+    return _rowwise(_grad_rows, opts, 4, grad_dtype=grad_dtype)(logits2d, targets[:, None], col(lse), col(scale))
 
 
 # ----------------------------------------------------------------------------- public entry point

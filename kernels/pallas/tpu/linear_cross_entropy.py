@@ -1,0 +1,76 @@
+"""Linear + cross-entropy on TPUs: XLA matmuls (the MXU) around the Mosaic TPU cross-entropy row kernels.
+
+NOT RUN ON A TPU: no TPU was available while writing this. It is proven in
+Pallas' TPU interpreter (tests/linear_cross_entropy_test.py under
+FORGEAX_INTERPRET=1, against the XLA reference) and by lowering for TPU only
+(tests/lowering_pallas_tpu_linear_cross_entropy_test.py); nothing here is
+measured, and the default chunk is reasoned about, not tuned.
+
+The chunk loop is kernels/common/linear_cross_entropy.py (its docstring has
+the algorithm): per chunk of C tokens, logits = x_c @ W (+ b) as an XLA dot
+with f32 accumulation, kept in f32 (as "xla_chunked" does, so the loss is the
+one of `ops.cross_entropy` on f32 logits), then the kernels of
+kernels/pallas/tpu/cross_entropy.py on that [C, V] chunk:
+  * `_fwd_kernel` (loss_rows): per row the online log-sum-exp and the loss,
+    (loss, lse) in f32;
+  * `_bwd_kernel` (grad_rows): g = scale * d loss / d logits recomputed from
+    lse, written in the matmul dtype (bf16 for bf16 x and W), ready for
+    dx_c = g @ W^T and dW += x_c^T @ g.
+"mean"/"sum" run both kernels per chunk (scale 1), inside the forward;
+"none" runs the first in the forward and the second in the backward's rerun,
+scaled by the per-token cotangent. So the chunk's logits are read twice and
+the gradient written once, the HBM floor for two kernels; there is no fused
+loss-and-gradient kernel (one read fewer), as there is in Triton.
+
+Default chunk: 1024 tokens at V=128256 (512 MiB of f32 logits + 256 MiB of
+bf16 gradient), from the shared default_chunk_size.
+No vocabulary-parallel path (axis_name): that runs in "xla_chunked".
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
+from forgeax.ops.interface import Implementation
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _row_options(opts: chunked.Options):
+    return tpu_ce.row_options(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, logit_soft_cap=opts.soft_cap or None)
+
+
+def _loss(logits, t, opts):
+    return tpu_ce.loss_rows(logits, t, _row_options(opts))
+
+
+def _grad(logits, t, lse, scale, opts, dtype):
+    return tpu_ce.grad_rows(logits, t, lse, scale, _row_options(opts), grad_dtype=dtype)
+
+
+def _loss_and_grad(logits, t, opts, dtype):
+    loss, lse = _loss(logits, t, opts)
+    # Cotangent 1 per row; the kernel zeroes ignored rows itself.
+    return loss, lse, _grad(logits, t, lse, jnp.ones_like(lse), opts, dtype)
+
+
+CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=True)
+
+
+def _supports(x, weight, targets, *, axis_name=None, **options):
+    del targets, options
+    if axis_name is not None:
+        return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
+    for name, a in (("x", x), ("weight", weight)):
+        if jnp.dtype(a.dtype) not in _DTYPES:
+            return f"{name} dtype {jnp.dtype(a.dtype).name} is not one of float32/bfloat16/float16"
+    if x.size == 0:
+        return "no tokens"
+    return None
+
+
+LINEAR_CROSS_ENTROPY = Implementation(
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS), platforms={"tpu"}, interpretable=True, supports=_supports,
+)
