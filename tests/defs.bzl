@@ -12,12 +12,25 @@ INTERPRET_ENV = dict(CPU_ENV, FORGEAX_INTERPRET = "1")
 # TRITON_INTERPRET must be set before `import triton`: its own process/target.
 TRITON_INTERPRET_ENV = dict(INTERPRET_ENV, TRITON_INTERPRET = "1")
 
+# Tests that need several devices get 8 CPU devices.
+PARALLEL_ENV = dict(CPU_ENV, XLA_FLAGS = "--xla_force_host_platform_device_count=8")
+
 def default_settings(src):
-    """Size and env of the test file `src` from its name."""
+    """Size, env and data of the test file `src` from its name.
+
+    lowering*_test.py: cross-lowering on CPU, no interpreter.
+    <suite>_triton_interpret_test.py: re-exports <suite>_test.py's tests (carried
+      as data) for the Triton backend alone, in Triton's interpreter.
+    *_parallel_test.py: shard_map tests over 8 CPU devices.
+    anything else: every backend, Pallas kernels in their interpreters.
+    """
     if src.startswith("lowering"):
         return {"size": "medium", "env": CPU_ENV}
     if src.endswith("_triton_interpret_test.py"):
-        return {"size": "large", "env": TRITON_INTERPRET_ENV}
+        suite = src[:-len("_triton_interpret_test.py")] + "_test.py"
+        return {"size": "large", "data": [suite], "env": dict(TRITON_INTERPRET_ENV, FORGEAX_TEST_BACKENDS = "triton")}
+    if src.endswith("_parallel_test.py"):
+        return {"size": "large", "env": PARALLEL_ENV}
     return {"size": "large", "env": INTERPRET_ENV}
 
 def pytest_tests(srcs, deps, overrides = {}):

@@ -300,3 +300,19 @@ def linear_cross_entropy_with(kernels: ChunkKernels) -> Callable[..., Any]:
         return total / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
 
     return linear_cross_entropy
+
+
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def supports_single_device(x, weight, targets, *, axis_name=None, **options) -> str | None:
+    """`supports` of the kernel backends built on this loop (no vocabulary-parallel path)."""
+    del targets, options
+    if axis_name is not None:
+        return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
+    for name, a in (("x", x), ("weight", weight)):
+        if jnp.dtype(a.dtype) not in _KERNEL_DTYPES:
+            return f"{name} dtype {jnp.dtype(a.dtype).name} is not one of float32/bfloat16/float16"
+    if x.size == 0:
+        return "no tokens"
+    return None

@@ -24,13 +24,10 @@ No vocabulary-parallel path (axis_name): that runs in "xla_chunked".
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.triton import cross_entropy as triton_ce
 from forgeax.ops.interface import Implementation
-
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _row_options(opts: chunked.Options):
@@ -52,18 +49,9 @@ def _grad(logits, t, lse, scale, opts, dtype):
 CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=False)
 
 
-def _supports(x, weight, targets, *, axis_name=None, **options):
-    del targets, options
-    if axis_name is not None:
-        return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
-    for name, a in (("x", x), ("weight", weight)):
-        if a.dtype not in _DTYPES:
-            return f"{name} dtype {jnp.dtype(a.dtype).name} is not one of float32/bfloat16/float16"
-    if x.size == 0:
-        return "no tokens"
-    return None
-
-
 LINEAR_CROSS_ENTROPY = Implementation(
-    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS), platforms={"gpu"}, interpretable=True, supports=_supports,
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS),
+    platforms={"gpu"},
+    interpretable=True,
+    supports=chunked.supports_single_device,
 )

@@ -35,8 +35,6 @@ from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
 from forgeax.ops.interface import Implementation
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
 
 def _row_options(opts: chunked.Options):
     return tpu_ce.row_options(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, logit_soft_cap=opts.soft_cap or None)
@@ -59,18 +57,9 @@ def _loss_and_grad(logits, t, opts, dtype):
 CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=True)
 
 
-def _supports(x, weight, targets, *, axis_name=None, **options):
-    del targets, options
-    if axis_name is not None:
-        return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
-    for name, a in (("x", x), ("weight", weight)):
-        if jnp.dtype(a.dtype) not in _DTYPES:
-            return f"{name} dtype {jnp.dtype(a.dtype).name} is not one of float32/bfloat16/float16"
-    if x.size == 0:
-        return "no tokens"
-    return None
-
-
 LINEAR_CROSS_ENTROPY = Implementation(
-    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS), platforms={"tpu"}, interpretable=True, supports=_supports,
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS),
+    platforms={"tpu"},
+    interpretable=True,
+    supports=chunked.supports_single_device,
 )
