@@ -19,6 +19,7 @@ from forgeax.ops.interface import (
     interpret_mode,
     register_backend,
 )
+from forgeax.ops.attention import attention
 from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
 from forgeax.ops.norms import layer_norm, rms_norm
@@ -30,6 +31,7 @@ __all__ = [
     "Implementation",
     "Tuned",
     "UnsupportedError",
+    "attention",
     "cross_entropy",
     "current_platform",
     "define_op",

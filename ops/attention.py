@@ -1,0 +1,183 @@
+"""Scaled dot-product attention with masks, windows, soft cap, segments, bias and dropout: `attention`."""
+
+from __future__ import annotations
+
+import math
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Integer
+
+from forgeax.kernels.common.attention import AttentionSpec, dropout_seed_from_key
+from forgeax.ops import checks
+from forgeax.ops.interface import define_op
+
+# Priority on each platform, best first (xla is always the fallback). The xla entry on CPU/GPU/TPU
+# is the materialised reference; "xla_chunked" is the linear-memory XLA version.
+_PRIORITY = {"gpu": ("pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
+
+ATTENTION = define_op(
+    "attention",
+    {
+        "xla": "forgeax.kernels.xla.attention:ATTENTION",
+        "xla_chunked": "forgeax.kernels.xla.attention:ATTENTION_CHUNKED",
+        "triton": "forgeax.kernels.triton.attention:ATTENTION",
+        "pallas_gpu": "forgeax.kernels.pallas.gpu.attention:ATTENTION",
+        "pallas_tpu": "forgeax.kernels.pallas.tpu.attention:ATTENTION",
+    },
+    _PRIORITY,
+)
+
+
+def _check_pair_mask(name: str, a, lead: tuple[int, ...], heads: int, T: int, S: int) -> None:
+    """bias/mask: rank 4 after the leading batch dims, [B|1, N|1, T, S]."""
+    shape = tuple(a.shape)
+    batch = lead
+    if len(shape) != len(batch) + 3:
+        raise ValueError(f"{name}: expected shape [batch|1, heads|1, T, S] = {(*batch, heads, T, S)} up to broadcasting, got {shape}")
+    for got, want in zip(shape[:len(batch)], batch):
+        if got not in (1, want):
+            raise ValueError(f"{name}: batch dims {shape[:len(batch)]} do not broadcast to {batch}")
+    if shape[-3] not in (1, heads) or shape[-2:] != (T, S):
+        raise ValueError(f"{name}: expected [..., {heads}|1, {T}, {S}], got {shape}")
+
+
+def _window(window, causal: bool) -> tuple[int | None, int | None]:
+    if window is None:
+        return None, None
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError(f"window: expected (left, right) with ints >= 0 or None, got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, (int, jnp.integer)):
+            raise TypeError(f"window: {side} size must be an int >= 0 or None, got {w!r}")
+        if w < 0:
+            raise ValueError(f"window: {side} size must be >= 0, got {int(w)}")
+        out.append(int(w))
+    return out[0], (0 if causal else out[1])
+
+
+def attention(
+    q: Float[Array, "*B T N H"],
+    k: Float[Array, "*B S K H"],
+    v: Float[Array, "*B S K Hv"],
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    logit_soft_cap: float | None = None,
+    segment_ids: tuple[Integer[Array, "*B T"], Integer[Array, "*B S"]] | None = None,
+    bias: Float[Array, "*#B #N T S"] | None = None,
+    mask: Bool[Array, "*#B #N T S"] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> Float[Array, "*B T N Hv"] | tuple[Float[Array, "*B T N Hv"], Float[Array, "*B T N"]]:
+    """Multi-head scaled dot-product attention (flash attention on GPU/TPU backends).
+
+    Per batch, query head n (reading kv head n // (N // K)), query t and key s, in f32:
+
+        z[t, s]  = scale * <q[t], k[s]>               scale defaults to 1 / sqrt(H)
+        z        = cap * tanh(z / cap)                 with logit_soft_cap (before the bias)
+        z        = z + bias[t, s]                      with bias
+        z        = -inf where (t, s) is not allowed    (causal, window, segment_ids, mask)
+        out[t]   = sum_s softmax(z[t])[s] * v[s]       (dropout: p * keep / (1 - rate))
+        lse[t]   = log(sum_s exp(z[t, s]))
+
+    Semantics:
+      * `causal` with T != S aligns the LAST query with the LAST key: query t sees keys
+        s <= t + (S - T) (so T < S is decoding/chunked prefill over a longer cache).
+      * `window=(left, right)`: query t (at key position t + S - T) sees keys in
+        [pos - left, pos + right]; None on a side means unbounded. With causal=True right is 0.
+      * `segment_ids=(q_segment_ids [*B, T], kv_segment_ids [*B, S])`: tokens attend only within
+        equal ids (packed sequences); any int values.
+      * `mask`: boolean, True = may attend, broadcastable as [*B|1, N|1, T, S]. `bias`: additive, same
+        broadcasting, differentiable (its gradient is summed over broadcast axes).
+      * A query row with no allowed key returns 0 (never NaN), its lse is -inf, and it contributes
+        zero gradient.
+      * `dropout_rate` > 0 needs `dropout_key`; the keep-mask is a fixed hash of (key, b, n, t, s)
+        (kernels/common/attention.py), identical on every backend and deterministic given the key.
+
+    Args:
+      q: `[*B, T, N, H]`; k: `[*B, S, K, H]`; v: `[*B, S, K, Hv]` with N % K == 0 (GQA/MQA) and Hv
+        allowed to differ from H. f32/bf16/f16, all the same dtype.
+      return_lse: also return lse `[*B, T, N]` f32 (differentiable), e.g. to merge partial results.
+      backend: None (fastest measured for this device and shape), "xla" (materialised reference),
+        "xla_chunked" (linear memory), "triton", "pallas_gpu", "pallas_tpu" ("pallas").
+
+    Returns:
+      out `[*B, T, N, Hv]` in q's dtype, or (out, lse) with return_lse.
+    """
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        checks.floating_array(name, a, min_rank=4)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    lead = tuple(q.shape[:-3])
+    T, N, H = q.shape[-3:]
+    S, K, Hk = k.shape[-3:]
+    if tuple(k.shape[:-3]) != lead or tuple(v.shape[:-3]) != lead:
+        raise ValueError(f"k, v: batch dims {tuple(k.shape[:-3])}, {tuple(v.shape[:-3])} must equal q's {lead}")
+    if Hk != H:
+        raise ValueError(f"k: head_dim {Hk} must equal q's head_dim {H}")
+    if tuple(v.shape[-3:-1]) != (S, K):
+        raise ValueError(f"v: expected [..., S={S}, K={K}, Hv], got {tuple(v.shape)}")
+    if K == 0 or N % K != 0:
+        raise ValueError(f"k: query heads N={N} must be a multiple of kv heads K={K}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    else:
+        checks.positive_float("scale", scale)
+    if logit_soft_cap is not None:
+        checks.positive_float("logit_soft_cap", logit_soft_cap)
+        logit_soft_cap = float(logit_soft_cap)
+    left, right = _window(window, bool(causal))
+    rate = float(dropout_rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate: expected a number in [0, 1), got {dropout_rate!r}")
+    if rate > 0 and dropout_key is None:
+        raise ValueError("dropout_key: required when dropout_rate > 0 (dropout must be deterministic given a key)")
+
+    B = math.prod(lead)
+    q3, k3, v3 = (a.reshape((B,) + tuple(a.shape[-3:])) for a in (q, k, v))
+
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        if not (isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2):
+            raise TypeError("segment_ids: expected a pair (q_segment_ids [*B, T], kv_segment_ids [*B, S])")
+        for name, ids, want in (("segment_ids[0]", segment_ids[0], lead + (T,)), ("segment_ids[1]", segment_ids[1], lead + (S,))):
+            if not (hasattr(ids, "dtype") and jnp.issubdtype(ids.dtype, jnp.integer)):
+                raise TypeError(f"{name}: expected an integer array")
+            if tuple(ids.shape) != want:
+                raise ValueError(f"{name}: expected shape {want}, got {tuple(ids.shape)}")
+        q_seg = segment_ids[0].reshape(B, T).astype(jnp.int32)
+        kv_seg = segment_ids[1].reshape(B, S).astype(jnp.int32)
+
+    def pairwise(name, a, want_bool):
+        if a is None:
+            return None
+        if want_bool:
+            if not (hasattr(a, "dtype") and a.dtype == jnp.bool_):
+                raise TypeError(f"{name}: expected a boolean array (True = may attend)")
+        else:
+            checks.floating_array(name, a)
+        _check_pair_mask(name, a, lead, N, T, S)
+        batch, rest = tuple(a.shape[:len(lead)]), tuple(a.shape[len(lead):])
+        if all(b == 1 for b in batch):  # shared by the whole batch: keep it so (Bb = 1)
+            return a.reshape((1,) + rest)
+        return jnp.broadcast_to(a, lead + rest).reshape((B,) + rest)
+
+    bias3 = pairwise("bias", bias, False)
+    mask3 = pairwise("mask", mask, True)
+    seed = dropout_seed_from_key(dropout_key) if rate > 0 else None
+    spec = AttentionSpec(
+        causal=bool(causal), scale=float(scale), window_left=left, window_right=right,
+        logit_soft_cap=logit_soft_cap, dropout_rate=rate,
+    )
+    out, lse = ATTENTION(q3, k3, v3, bias3, mask3, q_seg, kv_seg, seed, spec=spec, backend=backend)
+    out = out.reshape(lead + tuple(out.shape[1:]))
+    if not return_lse:
+        return out
+    return out, jnp.swapaxes(lse, -1, -2).reshape(lead + (T, N))
