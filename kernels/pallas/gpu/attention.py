@@ -1,0 +1,606 @@
+"""Flash attention as Pallas Mosaic GPU kernels (Hopper: TMA, wgmma, warp specialisation).
+
+Contract: kernels/common/attention.py (q [B,T,N,H], k/v [B,S,K,H], lse [B,N,T] f32, GQA head
+n -> kv head n // G with G = N // K, causal/window aligned so the last query sits at the last key:
+query t is at key position t + off, off = S - T). Scope: bf16/f16, H = Hv in {64, 128, 256},
+T and S multiples of 128, causal / window / logit soft cap; everything else is refused by
+`_supports` (the op then falls back to Triton or XLA).
+
+Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
+  * WG 0 and WG 1 (consumers) each own 64 query rows: Q via TMA into SMEM, then per key block j
+        s = (q k_j^T) * scale * log2(e)          (soft cap: cap*tanh(scale*qk/cap)*log2(e))
+        m' = max(m, rowmax s);  p = exp2(s - m');  l = l*exp2(m - m') + rowsum p
+        acc = acc*exp2(m - m') + p v_j            (p cast to the input dtype, wgmma from registers)
+    and finally out = acc / l (0 where l = 0), lse = (m + log2 l) * ln 2 (-inf where l = 0),
+    written through SMEM with TMA stores.
+  * WG 2 (producer, 40 registers) streams K and V blocks into a ring of `stages` SMEM slots
+    (per-slot "loaded" barriers filled by TMA, "free" barriers arrived by both consumers).
+  * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
+    blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
+    masked edge), so causal costs ~half of non-causal.
+
+Backward (delta = rowsum(dout * out) - dlse and lse * log2(e) are plain jnp ops):
+  * dK/dV kernel: one CTA = 128 keys of one (b, kv head); each consumer WG owns 64 keys (K, V in
+    SMEM), loops over the G query heads of its group and the query blocks (64 rows) that see
+    its keys, streamed by the producer WG (Q, dO, lse, delta per ring slot):
+        pT = exp2(s^T - lse);  dv += pT dO;  dpT = v dO^T;  dsT = pT (dpT - delta);  dk += dsT q
+    dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
+  * dQ kernel: one CTA = 128 query rows of one (b, n), consumers own 64 rows, the producer
+    streams K/V blocks of 64 keys:  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
+  * H = 256 would need 256 accumulator registers per thread in dK/dV: its backward runs the
+    XLA chunked backward instead (the forward still uses the kernel).
+
+Interpret mode (FORGEAX_INTERPRET / interpret_mode()): the interpreter cannot run wgmma with a
+register LHS nor `run_state` with `ACC.init` (notes/MOSAIC_GPU.md §8), so there the 16-bit
+probabilities are staged through a per-WG SMEM buffer and every product is added to the
+register accumulator; the barrier/TMA/loop structure is the same as on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
+from forgeax.kernels.xla.attention import _chunked_backward
+from forgeax.ops.interface import Implementation, interpret_enabled
+
+_F32 = jnp.float32
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_ROWS = 64  # rows per consumer warpgroup (the wgmma M)
+_WGS = 2  # consumer warpgroups per CTA
+_CTA = _ROWS * _WGS
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_HEAD_DIMS = (64, 128, 256)
+_BWD_MAX_H = 128
+_SMEM_BUDGET = 200 * 1024
+
+
+def _i32(x):
+    return jnp.asarray(x, jnp.int32)
+
+
+def _transforms(dtype):
+    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+
+
+def _params():
+    return plgpu.CompilerParams(approx_math=True)
+
+
+# ----------------------------------------------------------------------------- block ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class _Band:
+    """Row x (this CTA's axis) sees column y (the looped axis) iff a <= y - x <= b (None = unbounded)."""
+
+    a: int | None
+    b: int | None
+
+    @staticmethod
+    def forward(spec: AttentionSpec, T: int, S: int) -> "_Band":
+        off = S - T  # rows are queries, columns keys: s - t in [off - left, off + right]
+        return _Band(None if spec.window_left is None else off - spec.window_left,
+                     None if spec.right is None else off + spec.right)
+
+    @staticmethod
+    def keys_by_query(spec: AttentionSpec, T: int, S: int) -> "_Band":
+        off = S - T  # rows are keys, columns queries: t - s in [-off - right, -off + left]
+        return _Band(None if spec.right is None else -off - spec.right,
+                     None if spec.window_left is None else -off + spec.window_left)
+
+    def blocks(self, r0, rows: int, blk: int, length: int):
+        """(lo, full_lo, full_hi, hi): column blocks [lo, hi) are visible to rows [r0, r0+rows);
+        those in [full_lo, full_hi) are visible to every row (no mask needed)."""
+        n = length // blk
+        clip = lambda x: jnp.minimum(jnp.maximum(x, 0), length)
+        div = lambda x: lax.div(x, _i32(blk))
+        lo = _i32(0) if self.a is None else div(clip(r0 + self.a))
+        hi = _i32(n) if self.b is None else div(clip(r0 + rows + self.b) + blk - 1)
+        hi = jnp.maximum(hi, lo)
+        full_hi = hi if self.b is None else jnp.minimum(jnp.maximum(div(clip(r0 + self.b + 1)), lo), hi)
+        full_lo = lo if self.a is None else div(clip(r0 + rows - 1 + self.a) + blk - 1)
+        full_lo = jnp.minimum(jnp.maximum(full_lo, lo), full_hi)
+        return lo, full_lo, full_hi, hi
+
+    def mask(self, x0, y0, shape):
+        """Allowed (x, y) over a (rows, cols) register tile starting at (x0, y0), WGMMA layout."""
+        x = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        y = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        d = (y - x) + (y0 - x0)
+        ok = None
+        if self.a is not None:
+            ok = d >= self.a
+        if self.b is not None:
+            ok = (d <= self.b) if ok is None else ok & (d <= self.b)
+        return ok
+
+
+def _three_loops(lo, full_lo, full_hi, hi, step, carry, band: _Band):
+    """step(j, carry, masked) over [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
+    if band.a is None and band.b is None:  # no position mask: every block is full
+        return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+# ----------------------------------------------------------------------------- wgmma helper
+
+
+class _Mma:
+    """acc + a @ b on the tensor cores; `a` an SMEM ref or a 16-bit register array (WGMMA layout).
+
+    On the GPU a register LHS feeds wgmma directly and the accumulator is updated in place
+    (`run_state` + `ACC.init`). In interpret mode (which supports neither) a register LHS is
+    staged through `stage` (this WG's SMEM buffer) and the product is added to acc.
+    """
+
+    def __init__(self, interpret: bool, stage=None):
+        self.interpret, self.stage = interpret, stage
+
+    def __call__(self, a, b, shape, acc=None, a_in_regs=False, after_issue=None):
+        if a_in_regs and self.interpret:
+            self.stage[...] = a
+            plgpu.commit_smem()
+            a = self.stage
+        if self.interpret or acc is None:
+            def run(acc_ref):
+                plgpu.wgmma(acc_ref, a, b)
+                if after_issue is not None:  # runs while the wgmma is in flight
+                    after_issue()
+                return acc_ref[...]
+
+            out = pl.run_scoped(run, plgpu.ACC(shape, _F32))
+            return out if acc is None else acc + out
+
+        def update(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(update)(plgpu.ACC.init(acc))
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, _F32), plgpu.Layout.WGMMA)
+
+
+def _full_rows(n, value, axis):
+    return plgpu.layout_cast(jnp.full((n,), value, _F32), plgpu.Layout.WGMMA.reduce(axis))
+
+
+def _bcast(v, shape, dim):
+    return lax.broadcast_in_dim(v, shape, [dim])
+
+
+def _logits2(x, spec: AttentionSpec):
+    """Raw q.k products -> logits in the log2 domain (scale, soft cap, * log2 e)."""
+    if spec.logit_soft_cap is None:
+        return x * (spec.scale * _LOG2E)
+    cap = spec.logit_soft_cap
+    return jnp.tanh(x * (spec.scale / cap)) * (cap * _LOG2E)
+
+
+def _cap_grad(s2, spec: AttentionSpec):
+    """d capped / d uncapped = 1 - tanh^2, from the log2-domain capped logits s2."""
+    t = s2 * (1.0 / (spec.logit_soft_cap * _LOG2E))
+    return 1.0 - t * t
+
+
+def _stages(per_stage: int, fixed: int, cap: int = 3) -> int:
+    return max(2, min(cap, (_SMEM_BUDGET - fixed) // per_stage))
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
+    del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed  # refused by _supports
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G, dt = N // K, q.dtype
+    bkv = 128 if H <= 128 else 64
+    item = jnp.dtype(dt).itemsize
+    stages = _stages(2 * bkv * H * item, _CTA * H * item)
+    band = _Band.forward(spec, T, S)
+    interpret = interpret_enabled()
+
+    def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, stage,
+               q_bar, k_bar, v_bar, k_free, v_free, sched):
+        b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        # Last query blocks first: under causal masking they are the longest, so the tail of
+        # the grid is made of short CTAs.
+        r0 = (T // _CTA - 1 - lax.axis_index("q")) * _CTA
+        lo, full_lo, full_hi, hi = band.blocks(r0, _CTA, bkv, S)
+        steps = hi - lo
+
+        @pl.when(wg < _WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            rows = r0 + wg * _ROWS
+            q_s = qo_smem.at[wg]
+            mma = _Mma(interpret, None if stage is None else stage.at[wg])
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, _ROWS), n], q_s, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            # FA3 ping-pong: `sched` (2 arrivals) alternates the two consumers so that one runs
+            # its softmax while the other has the tensor cores. WG 1 starts one phase behind and
+            # WG 0 catches up after the loop; both visit the same blocks, so arrivals pair up.
+            def sync():
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
+
+            pl.when(wg == 1)(sync)
+
+            def step(j, carry, masked):
+                acc, m, l = carry
+                i = j - lo
+                slot = lax.rem(i, _i32(stages))
+                release = i + stages < steps
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sync)
+                s = _logits2(s, spec)
+                pl.when(release)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+                if masked:
+                    s = jnp.where(band.mask(rows, j * bkv, s.shape), s, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                m_use = m_new
+                if masked:  # a row may have seen no key yet: keep exp2 away from -inf - -inf
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s - _bcast(m_use, s.shape, 0))
+                acc = acc * _bcast(alpha, acc.shape, 0)
+                p16 = p.astype(dt)
+                if H <= 128:  # finish the softmax before handing over the tensor cores
+                    l = l * alpha + jnp.sum(p, axis=1)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(sched)  # softmax done
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)  # the other consumer's QK^T is issued
+                if H > 128:
+                    l = l * alpha + jnp.sum(p, axis=1)
+                acc = mma(p16, v_smem.at[slot], (_ROWS, H), acc=acc, a_in_regs=True)
+                pl.when(release)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
+                return acc, m_new, l
+
+            carry = (_zeros((_ROWS, H)), _full_rows(_ROWS, -jnp.inf, 1), _full_rows(_ROWS, 0.0, 1))
+            acc, m, l = _three_loops(lo, full_lo, full_hi, hi, step, carry, band)
+            pl.when(wg == 0)(sync)
+            seen = l > 0.0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+            q_s[...] = (acc * _bcast(inv, acc.shape, 0)).astype(dt)
+            lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s, out_ref.at[b, pl.ds(rows, _ROWS), n])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(rows, _ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kh = lax.div(n, _i32(G))
+
+            def load(i, c):
+                slot = lax.rem(i, _i32(stages))
+                keys = (b, pl.ds((lo + i) * bkv, bkv), kh)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+                return c
+
+            lax.fori_loop(0, steps, load, None)
+
+    tr = _transforms(dt)
+
+    def entry(*refs):
+        scratch = [
+            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+            plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+            plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+            plgpu.SMEM((_WGS, _ROWS), _F32),
+            plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
+        ]
+        bars = [
+            plgpu.Barrier(num_barriers=_WGS),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=_WGS),
+        ]
+        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt), jax.ShapeDtypeStruct((B, N, T), _F32)),
+        grid=(N, T // _CTA, B),
+        grid_names=("heads", "q", "batch"),
+        num_threads=_WGS + 1,
+        thread_name="wg",
+        compiler_params=_params(),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q, k, v)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _dkv(q, k, v, do, lse2, delta, spec):
+    """dk, dv [B, S, K, H]: one CTA per 128 keys of one (b, kv head), dk/dv in registers."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G, dt = N // K, q.dtype
+    bq = 64
+    item = jnp.dtype(dt).itemsize
+    stages = _stages(2 * bq * H * item + 2 * bq * 4, 2 * _CTA * H * item)
+    band = _Band.keys_by_query(spec, T, S)
+    interpret = interpret_enabled()
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+               k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free):
+        b, kh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        s0 = lax.axis_index("kv") * _CTA
+        lo, full_lo, full_hi, hi = band.blocks(s0, _CTA, bq, T)
+        per_head = hi - lo
+
+        @pl.when(wg < _WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            keys = s0 + wg * _ROWS
+            k_s, v_s = k_smem.at[wg], v_smem.at[wg]
+            mma = _Mma(interpret, None if stage is None else stage.at[wg])
+            gk = (b, pl.ds(keys, _ROWS), kh)
+            plgpu.copy_gmem_to_smem(k_ref.at[gk], k_s, kv_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[gk], v_s, kv_bar.at[wg])
+            plgpu.barrier_wait(kv_bar.at[wg])
+
+            def head(g, carry):
+                def step(j, carry, masked):
+                    dk, dv = carry
+                    i = g * per_head + j - lo
+                    slot = lax.rem(i, _i32(stages))
+                    plgpu.barrier_wait(loaded.at[slot])
+                    st = _logits2(mma(k_s, q_smem.at[slot].transpose((1, 0)), (_ROWS, bq)), spec)
+                    lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    pt = jnp.exp2(st - _bcast(lse, st.shape, 1))
+                    if masked:
+                        pt = jnp.where(band.mask(keys, j * bq, st.shape), pt, 0.0)
+                    dv = mma(pt.astype(dt), do_smem.at[slot], (_ROWS, H), acc=dv, a_in_regs=True)
+                    dpt = mma(v_s, do_smem.at[slot].transpose((1, 0)), (_ROWS, bq))
+                    dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    dst = pt * (dpt - _bcast(dl, st.shape, 1))
+                    if spec.logit_soft_cap is not None:
+                        dst = dst * _cap_grad(st, spec)
+                    dk = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=dk, a_in_regs=True)
+                    pl.when(i + stages < G * per_head)(lambda: plgpu.barrier_arrive(free.at[slot]))
+                    return dk, dv
+
+                return _three_loops(lo, full_lo, full_hi, hi, step, carry, band)
+
+            dk, dv = lax.fori_loop(0, G, head, (_zeros((_ROWS, H)), _zeros((_ROWS, H))))
+            k_s[...] = (dk * spec.scale).astype(dt)
+            v_s[...] = dv.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_s, dk_ref.at[gk])
+            plgpu.copy_smem_to_gmem(v_s, dv_ref.at[gk])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(i, c):
+                slot = lax.rem(i, _i32(stages))
+                n = kh * G + lax.div(i, jnp.maximum(per_head, 1))
+                t0 = (lo + lax.rem(i, jnp.maximum(per_head, 1))) * bq
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                rows = (b, pl.ds(t0, bq), n)
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(t0, bq)], lse_smem.at[slot], loaded.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(t0, bq)], delta_smem.at[slot], loaded.at[slot])
+                return c
+
+            lax.fori_loop(0, G * per_head, load, None)
+
+    tr = _transforms(dt)
+
+    def entry(*refs):
+        scratch = [
+            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+            plgpu.SMEM((stages, bq, H), dt, transforms=tr),
+            plgpu.SMEM((stages, bq, H), dt, transforms=tr),
+            plgpu.SMEM((stages, bq), _F32),
+            plgpu.SMEM((stages, bq), _F32),
+            plgpu.SMEM((_WGS, _ROWS, bq), dt, transforms=tr) if interpret else None,
+        ]
+        bars = [
+            plgpu.Barrier(num_arrivals=2, num_barriers=_WGS),
+            plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+        ]
+        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
+
+    kv_type = jax.ShapeDtypeStruct((B, S, K, H), dt)
+    return plgpu.kernel(
+        entry,
+        out_type=(kv_type, kv_type),
+        grid=(K, S // _CTA, B),
+        grid_names=("heads", "kv", "batch"),
+        num_threads=_WGS + 1,
+        thread_name="wg",
+        compiler_params=_params(),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q, k, v, do, lse2, delta)
+
+
+def _dq(q, k, v, do, lse2, delta, spec):
+    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of 64 streamed."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G, dt = N // K, q.dtype
+    bkv = 64
+    item = jnp.dtype(dt).itemsize
+    stages = _stages(2 * bkv * H * item, 2 * _CTA * H * item)
+    band = _Band.forward(spec, T, S)
+    interpret = interpret_enabled()
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, stage, q_bar, loaded, free):
+        b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+        r0 = (T // _CTA - 1 - lax.axis_index("q")) * _CTA  # longest (causal) blocks first
+        lo, full_lo, full_hi, hi = band.blocks(r0, _CTA, bkv, S)
+        steps = hi - lo
+
+        @pl.when(wg < _WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            rows = r0 + wg * _ROWS
+            q_s, do_s = q_smem.at[wg], do_smem.at[wg]
+            mma = _Mma(interpret, None if stage is None else stage.at[wg])
+            gq = (b, pl.ds(rows, _ROWS), n)
+            plgpu.copy_gmem_to_smem(q_ref.at[gq], q_s, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[gq], do_s, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(rows, _ROWS)], lse_smem.at[wg], q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(rows, _ROWS)], delta_smem.at[wg], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            dl = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+            def step(j, dq, masked):
+                i = j - lo
+                slot = lax.rem(i, _i32(stages))
+                plgpu.barrier_wait(loaded.at[slot])
+                s = _logits2(mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv)), spec)
+                p = jnp.exp2(s - _bcast(lse, s.shape, 0))
+                if masked:
+                    p = jnp.where(band.mask(rows, j * bkv, s.shape), p, 0.0)
+                dp = mma(do_s, v_smem.at[slot].transpose((1, 0)), (_ROWS, bkv))
+                ds = p * (dp - _bcast(dl, s.shape, 0))
+                if spec.logit_soft_cap is not None:
+                    ds = ds * _cap_grad(s, spec)
+                dq = mma(ds.astype(dt), k_smem.at[slot], (_ROWS, H), acc=dq, a_in_regs=True)
+                pl.when(i + stages < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+                return dq
+
+            dq = _three_loops(lo, full_lo, full_hi, hi, step, _zeros((_ROWS, H)), band)
+            q_s[...] = (dq * spec.scale).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s, dq_ref.at[gq])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kh = lax.div(n, _i32(G))
+
+            def load(i, c):
+                slot = lax.rem(i, _i32(stages))
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                keys = (b, pl.ds((lo + i) * bkv, bkv), kh)
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], loaded.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], loaded.at[slot])
+                return c
+
+            lax.fori_loop(0, steps, load, None)
+
+    tr = _transforms(dt)
+
+    def entry(*refs):
+        scratch = [
+            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+            plgpu.SMEM((_WGS, _ROWS), _F32),
+            plgpu.SMEM((_WGS, _ROWS), _F32),
+            plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+            plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+            plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
+        ]
+        bars = [
+            plgpu.Barrier(num_arrivals=4, num_barriers=_WGS),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+        ]
+        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((B, T, N, H), dt),
+        grid=(N, T // _CTA, B),
+        grid_names=("heads", "q", "batch"),
+        num_threads=_WGS + 1,
+        thread_name="wg",
+        compiler_params=_params(),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q, k, v, do, lse2, delta)
+
+
+def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
+    H = q.shape[3]
+    if H > _BWD_MAX_H:  # dk + dv accumulators would not fit the register file (module docstring)
+        return _chunked_backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
+                                 out, lse, dout, dlse, spec)
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(_F32), out.astype(_F32)) - dlse
+    # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0.
+    lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
+    dout = dout.astype(q.dtype)
+    dk, dv = _dkv(q, k, v, dout, lse2, delta, spec)
+    dq = _dq(q, k, v, dout, lse2, delta, spec)
+    return dq, dk, dv, None
+
+
+# ----------------------------------------------------------------------------- wiring
+
+
+def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec) -> str | None:
+    del dropout_seed
+    _, T, _, H = q.shape
+    S, Hv = k.shape[1], v.shape[3]
+    if jnp.dtype(q.dtype) not in _DTYPES:
+        return f"dtype {jnp.dtype(q.dtype).name} not supported: needs bf16 or f16"
+    if bias is not None or mask is not None:
+        return "bias/mask not supported"
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        return "segment ids not supported"
+    if spec.dropout_rate > 0:
+        return "dropout not supported"
+    if H not in _HEAD_DIMS or Hv != H:
+        return f"head_dim {H} (v {Hv}) not supported: needs H == Hv in {_HEAD_DIMS}"
+    if T == 0 or S == 0 or T % _CTA or S % _CTA:
+        return f"T={T}, S={S} not supported: both must be positive multiples of {_CTA}"
+    return None
+
+
+ATTENTION = Implementation(
+    fn=differentiable_attention(AttentionKernels(forward=_forward, backward=_backward)),
+    platforms=("gpu",),
+    interpretable=True,
+    supports=_supports,
+)

@@ -1,0 +1,314 @@
+"""Linear + cross-entropy on Hopper GPUs: a fused wgmma matmul + online-softmax Mosaic GPU kernel.
+
+NOT YET RUN ON A GPU: proven in Mosaic GPU's CPU interpreter (against the XLA
+reference) and by cross-lowering for cuda at the benchmark shape; numerics on
+the device and every timing still need a GPU (notes/MOSAIC_GPU.md §1, §10).
+
+The chunk loop is kernels/common/linear_cross_entropy.py (its docstring has
+the algorithm). This backend's ChunkKernels take the matmul operands of a chunk,
+(x_c [C, H], W [H, V], b [V] or None), instead of its logits
+(`fused_matmul=True`), and compute the logits themselves, tile by tile:
+
+  `_stats_kernel`, grid (vocabulary splits S, row blocks of BM): each CTA owns
+  BM rows and a contiguous run of BN-wide vocabulary tiles. Per tile it runs the
+  K = H loop (TMA ring of `_STAGES` slots -> wgmma into a BM x BN f32
+  accumulator), then folds the tile into per-row online statistics, in f32:
+      l = round_to_matmul_dtype(acc + b)      (as x @ W would be stored)
+      z = cap * tanh(l / cap)  (or l);        columns >= V masked out
+      m = running max,  s = sum exp(z - m),  zt = z[target],  zs = sum z
+  and, when asked, stores l (bf16/f16) to a [C, V] logits buffer (SMEM -> TMA).
+  Each CTA writes its (m, s, zt, zs) partials ([S, 4, C] f32); XLA combines the
+  S splits (lse = M + log sum_s s_s exp(m_s - M)) and forms the loss exactly as
+  the XLA chunked kernels do:
+      loss = lse - (1 - ls) zt - ls / V * zs + z_loss * lse^2   (0 if ignored)
+
+  * loss (forward only; "none"'s forward): no [C, V] buffer at all.
+  * loss_and_grad ("mean"/"sum", gradient in the forward): the same kernel
+    also stores the logits; g = d loss / d logits is then one XLA elementwise
+    pass (read l, write g in the matmul dtype) with the closed form of the
+    "xla_chunked" kernels, fed to the XLA dx/dW matmuls. Per chunk: 3 matmuls,
+    one [C, V] write (logits), one read + one write (g). The Triton backend
+    does the same matmuls, but its row kernel reads the logits twice.
+  * grad ("none"'s backward rerun): the kernel with the store, then the same
+    elementwise pass with the given lse and per-row scale.
+A second fused kernel that recomputes the logits to emit g directly (no [C, V]
+logits write) would cost a 4th matmul per chunk (+33% FLOPs) for "mean"/"sum":
+not worth one [C, V] write, so it is not done.
+
+Rounding: the statistics are computed from the logits rounded to the matmul
+dtype, the values the gradient pass reads back, so loss and gradient are
+consistent (the semantics of `f32_logits=False`, as in the Triton backend).
+
+Scope: x and W both bf16 or both f16, H a multiple of 64 (the wgmma K step);
+any V (W and b are zero-padded to a multiple of BN only when V is not one, and
+the padded columns are masked), any number of tokens (rows padded to BM with
+ignored targets), every option of the op except axis_name (refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.xla import linear_cross_entropy as xla_lce
+from forgeax.ops.interface import Implementation, interpret_enabled
+
+_F32 = jnp.float32
+_BM = 128  # rows per CTA (one warpgroup, 128 x 128 f32 accumulator = 128 registers/thread)
+_BN = 128  # vocabulary columns per tile
+_TK = 64  # K step: 64 bf16 = one 128-byte swizzled row
+_STAGES = 4  # TMA ring: 4 x (16 + 16) KiB + 32 KiB logits tile = 160 KiB SMEM
+_WAVES = 4  # aim for about this many CTAs per SM in the grid
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _interpret():
+    return plgpu.InterpretGPUParams() if interpret_enabled() else None
+
+
+def _num_sms() -> int:
+    try:
+        return int(getattr(jax.devices("gpu")[0], "core_count", 132) or 132)
+    except RuntimeError:  # no GPU here (interpret mode, cross-lowering on CPU)
+        return 132
+
+
+def _splits(row_blocks: int, tiles: int) -> int:
+    """Vocabulary splits: enough CTAs for ~_WAVES per SM, at least 2 tiles per split."""
+    want = -(-_WAVES * _num_sms() // row_blocks)
+    return max(1, min(want, tiles // 2 or 1))
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+def _aligned(value, multiple):
+    # pl.multiple_of on a Python int (the unrolled prologue) has no Mosaic GPU lowering.
+    return value if isinstance(value, int) else pl.multiple_of(value, multiple)
+
+
+def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store):
+    """x [Cp, H], w [H, Vp], b [Vp] f32 or None, t [Cp] int32 (Cp % BM == 0, Vp % BN == 0)
+    -> (stats [S, 4, Cp] f32: per-split (m, s, zt, zs); logits [Cp, Vp] in x.dtype or None)."""
+    cp, h = x.shape
+    vp = w.shape[1]
+    dt = x.dtype
+    nk, tiles, row_blocks = h // _TK, vp // _BN, cp // _BM
+    splits = _splits(row_blocks, tiles)
+    has_bias = b is not None
+    swizzled = (plgpu.TilingTransform((8, _TK)), plgpu.SwizzleTransform(128))
+
+    def body(*refs):
+        x_g, w_g = refs[:2]
+        b_g = refs[2] if has_bias else None
+        t_g = refs[2 + has_bias]
+        outs = refs[3 + has_bias:]
+        stats_g, logits_g = outs[0], (outs[1] if store else None)
+        a_s, w_s, bar, t_s, t_bar, st_s = outs[1 + store:7 + store]
+        o_s = outs[7 + store] if store else None
+        bias_s, bias_bar = outs[-2:] if has_bias else (None, None)
+
+        split, rb = lax.axis_index("v"), lax.axis_index("m")
+        r0 = pl.multiple_of(rb * _BM, _BM)
+        rows = pl.ds(r0, _BM)
+        tile0 = split * tiles // splits
+        n_tiles = (split + 1) * tiles // splits - tile0
+        total = n_tiles * nk  # flat (tile, k) steps of this CTA
+
+        def fetch(step, slot):
+            tile, k = tile0 + step // nk, step % nk
+            kk = pl.ds(_aligned(k * _TK, _TK), _TK)
+            cols = pl.ds(_aligned(tile * _BN, _BN), _BN)
+            plgpu.copy_gmem_to_smem(x_g.at[rows, kk], a_s.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(w_g.at[kk, cols], w_s.at[slot], bar.at[slot])
+
+        plgpu.copy_gmem_to_smem(t_g.at[rows], t_s, t_bar)
+        for s in range(_STAGES):  # the prologue fills the ring (total >= 2 * nk >= 2)
+
+            @pl.when(s < total)
+            def _():
+                fetch(s, s)
+
+        plgpu.barrier_wait(t_bar)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        target = plgpu.load(t_s, layout=row_layout)
+
+        def full(value):
+            return plgpu.layout_cast(jnp.full((_BM,), value, _F32), row_layout)
+
+        def tile_body(i, carry):
+            m, s, zt, zs = carry
+            c0 = pl.multiple_of((tile0 + i) * _BN, _BN)
+            if has_bias:  # issued now, lands during the K loop (2 slots: the one of tile i-1 may still be read)
+                plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, _BN)], bias_s.at[i % 2], bias_bar.at[i % 2])
+
+            def mac(acc):
+                def step(k, _):
+                    g = i * nk + k
+                    slot = lax.rem(g, _STAGES)
+                    plgpu.barrier_wait(bar.at[slot])
+                    plgpu.wgmma(acc, a_s.at[slot], w_s.at[slot])
+                    plgpu.wgmma_wait(1)  # wgmma g-1 retired: its slot may be refilled
+
+                    @pl.when((g >= 1) & (g - 1 + _STAGES < total))
+                    def _():
+                        fetch(g - 1 + _STAGES, lax.rem(g - 1, _STAGES))
+
+                lax.fori_loop(0, nk, step, None)
+                return acc[...]
+
+            acc = pl.run_scoped(mac, plgpu.ACC((_BM, _BN), _F32))
+            if has_bias:
+                plgpu.barrier_wait(bias_bar.at[i % 2])
+                bias = plgpu.load(bias_s.at[i % 2], layout=plgpu.Layout.WGMMA.reduce(0))
+                acc = acc + lax.broadcast_in_dim(bias, (_BM, _BN), (1,))
+            low = acc.astype(dt)  # the stored logits; the statistics see the same values
+            if store:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_s
+                o_s[...] = low
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s, logits_g.at[rows, pl.ds(c0, _BN)])
+            z = low.astype(_F32)
+            if cap:
+                z = cap * jnp.tanh(z * (1.0 / cap))
+            col = plgpu.broadcasted_iota(jnp.int32, (_BM, _BN), 1, layout=plgpu.Layout.WGMMA) + c0
+            live = col < vocab
+            zm = jnp.where(live, z, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(zm, axis=1))  # finite: every tile has a live column
+            p = jnp.exp(zm - lax.broadcast_in_dim(m_new, (_BM, _BN), (0,)))
+            s = s * jnp.exp(m - m_new) + jnp.sum(p, axis=1)
+            hit = col == lax.broadcast_in_dim(target, (_BM, _BN), (0,))
+            zt = zt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
+            if smoothing:
+                zs = zs + jnp.sum(jnp.where(live, z, 0.0), axis=1)
+            return m_new, s, zt, zs
+
+        init = (full(-jnp.inf), full(0.0), full(0.0), full(0.0))
+        results = lax.fori_loop(0, n_tiles, tile_body, init)
+        for j, r in enumerate(results):
+            st_s.at[j][...] = r
+        plgpu.commit_smem()
+        for j in range(4):
+            plgpu.copy_smem_to_gmem(st_s.at[j], stats_g.at[split, j, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = [jax.ShapeDtypeStruct((splits, 4, cp), _F32)]
+    if store:
+        out_type.append(jax.ShapeDtypeStruct((cp, vp), dt))
+    scratch = [
+        plgpu.SMEM((_STAGES, _BM, _TK), dt, transforms=swizzled),
+        plgpu.SMEM((_STAGES, _TK, _BN), dt, transforms=swizzled),
+        plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),
+        plgpu.SMEM((_BM,), jnp.int32),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.SMEM((4, _BM), _F32),
+    ]
+    if store:
+        scratch.append(plgpu.SMEM((_BM, _BN), dt, transforms=swizzled))
+    if has_bias:
+        scratch += [plgpu.SMEM((2, _BN), _F32), plgpu.Barrier(num_arrivals=1, num_barriers=2)]
+    args = (x, w) + ((b,) if has_bias else ()) + (t,)
+    outs = plgpu.kernel(
+        body,
+        out_type=tuple(out_type),
+        scratch_types=tuple(scratch),
+        grid=(splits, row_blocks),  # row blocks fastest: CTAs running together share W tiles in L2
+        grid_names=("v", "m"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret(),
+    )(*args)
+    return outs[0], (outs[1] if store else None)
+
+
+# ----------------------------------------------------------------------------- chunk kernels
+
+
+def _fused_logits(operands, t, opts, store):
+    """(loss [C], lse [C], logits [C, V] in the matmul dtype or None) of one chunk."""
+    x, w, b = operands
+    c, v = x.shape[0], w.shape[1]
+    cp, vp = -(-c // _BM) * _BM, -(-v // _BN) * _BN
+    if cp != c:
+        x = jnp.pad(x, ((0, cp - c), (0, 0)))
+    tp = jnp.pad(t, (0, cp - c), constant_values=-1) if cp != c else t
+    if vp != v:  # only for vocabularies that are not a multiple of BN (a copy of W per chunk)
+        w = jnp.pad(w, ((0, 0), (0, vp - v)))
+    if b is not None:
+        b = jnp.pad(b.astype(_F32), (0, vp - v))
+    stats, logits = _stats_call(
+        x, w.astype(x.dtype), b, tp, vocab=v, cap=opts.soft_cap, smoothing=opts.label_smoothing, store=store
+    )
+    stats = stats[:, :, :c]
+    m_s, s_s, zt, zs = stats[:, 0], stats[:, 1], jnp.sum(stats[:, 2], 0), jnp.sum(stats[:, 3], 0)
+    m = jnp.max(m_s, axis=0)
+    lse = m + jnp.log(jnp.sum(s_s * jnp.exp(m_s - m), axis=0))
+    loss = lse - (1.0 - opts.label_smoothing) * zt
+    if opts.label_smoothing:
+        loss = loss - opts.label_smoothing / v * zs
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse * lse
+    if logits is not None and (cp, vp) != (c, v):
+        logits = logits[:c, :v]
+    return jnp.where(t >= 0, loss, 0.0), lse, logits
+
+
+def _loss(operands, t, opts):
+    if not isinstance(operands, tuple):  # a loop without `fused_matmul`: plain logits
+        return xla_lce.CHUNK_KERNELS.loss(operands, t, opts)
+    return _fused_logits(operands, t, opts, store=False)[:2]
+
+
+def _loss_and_grad(operands, t, opts, dtype):
+    if not isinstance(operands, tuple):
+        return xla_lce.CHUNK_KERNELS.loss_and_grad(operands.astype(_F32), t, opts, dtype)
+    loss, lse, logits = _fused_logits(operands, t, opts, store=True)
+    # One XLA elementwise pass (the convert fuses into it): g from the stored logits.
+    return loss, lse, xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, jnp.ones_like(lse), opts, dtype)
+
+
+def _grad(operands, t, lse, scale, opts, dtype):
+    if isinstance(operands, tuple):
+        operands = _fused_logits(operands, t, opts, store=True)[2]
+    return xla_lce.CHUNK_KERNELS.grad(operands.astype(_F32), t, lse, scale, opts, dtype)
+
+
+def _chunk_kernels() -> chunked.ChunkKernels:
+    fields = {f.name for f in dataclasses.fields(chunked.ChunkKernels)}
+    extra = {"fused_matmul": True} if "fused_matmul" in fields else {}
+    return chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=False, **extra)
+
+
+CHUNK_KERNELS = _chunk_kernels()
+
+
+def _supports(x, weight, targets, *, bias=None, axis_name=None, **options) -> str | None:
+    del targets, bias, options
+    if axis_name is not None:
+        return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
+    for name, a in (("x", x), ("weight", weight)):
+        if jnp.dtype(a.dtype) not in _DTYPES:
+            return f"{name} dtype {jnp.dtype(a.dtype).name} is not bfloat16/float16 (the wgmma kernel's inputs)"
+    if jnp.dtype(x.dtype) != jnp.dtype(weight.dtype):
+        return f"x ({jnp.dtype(x.dtype).name}) and weight ({jnp.dtype(weight.dtype).name}) dtypes differ"
+    if x.size == 0:
+        return "no tokens"
+    h = weight.shape[0]
+    if h % _TK:
+        return f"hidden size {h} not supported: needs a multiple of {_TK}"
+    return None
+
+
+LINEAR_CROSS_ENTROPY = Implementation(
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS),
+    platforms=("gpu",),
+    interpretable=True,
+    supports=_supports,
+)

@@ -1,0 +1,577 @@
+"""Flash attention as Mosaic TPU Pallas kernels (forward and backward).
+
+NOT RUN ON A TPU: no TPU was available while writing this. Numerics are proven in
+Pallas' TPU interpreter (`pltpu.InterpretParams()`, FORGEAX_INTERPRET=1) against the XLA
+reference, and the Mosaic lowering by cross-lowering on CPU. Block sizes are reasoned
+about (VMEM budget), not measured.
+
+The contract (math, mask order, T != S alignment, fully masked rows, dropout hash) is the
+module docstring of kernels/common/attention.py. Per (batch b, query head n, query block i,
+key block j), all in f32:
+
+    z  = scale * q_i k_j^T ; z = cap * tanh(z / cap) ; z += bias ; z = -inf where not allowed
+    forward (online softmax over j, "arbitrary"; m, l, acc live in VMEM scratch):
+        m' = max(m, rowmax z);  a = exp(m - m');  p = exp(z - m')
+        l  = a l + rowsum p;    acc = a acc + (p * keep / (1 - rate)) v_j
+        last j: out = acc / l, lse = m + log l   (l == 0: out 0, lse -inf)
+    backward (p recomputed from lse; D = rowsum(dout * out) - dlse in XLA):
+        p = exp(z - lse), dp = dout v^T (* keep / (1 - rate)), dz = p (dp - D)
+        dv += pd^T dout, dk += scale dz'^T q, dq += scale dz' k, dbias = dz,
+        with dz' = dz * (1 - tanh^2) under the soft cap.
+
+Layout: Mosaic blocks need their last two dims to be multiples of (8, 128) or the full
+array dims, so a [B, T, N, H] block of one head ((1, H) last dims) is illegal. The wrapper
+therefore transposes to heads-major [B, N, T, H] / [B, K, S, H] (one XLA copy, fused with
+the padding below) and the BlockSpecs take (block_q, H) / (block_k, H) tiles of one head.
+T is padded to a multiple of block_q and S to a multiple of block_k (block_k a multiple of
+128), so no block reads past an array: padded keys are masked with an iota (s < S), padded
+queries are garbage rows sliced off (in the backward their lse is +inf, so p = 0 and they
+add nothing to dk, dv, dbias). Per-row vectors (lse, D, q segment ids) are [.., Tp, 1]
+columns, kv segment ids a [B, 1, Sp] row, so the kernel never relayouts a vector.
+GQA: the k/v index_map reads kv head n // G. bias/mask tiles come from [Bb|1, Nb|1, Tp, Sp]
+by index_map (0 on a broadcast axis); mask travels as int8 (rows are 32-aligned for it).
+f16 inputs are computed as f32 (the TPU has no f16 MXU path); bf16 feeds the MXU in bf16
+with f32 accumulation (p and dz are rounded to bf16 for their matmuls); f32 uses HIGHEST.
+
+Kernels:
+  * `_fwd_kernel`, grid (B, N, Tp/bq, Sp/bk), key axis "arbitrary".
+  * `_dkv_kernel`, grid (B, K, Sp/bk, G, Tp/bq): for a key block, loops (grid axes, both
+    "arbitrary") over the G query heads of its kv head and over query blocks; dk, dv
+    accumulate in f32 scratch. With bias it also writes dz ([B, N, Tp, Sp] f32), which the
+    wrapper reduces over broadcast axes (materialises B*N*T*S floats: fine for a bias that
+    is already that size, wasteful for a broadcast one).
+  * `_dq_kernel`, grid (B, N, Tp/bq, Sp/bk), key axis "arbitrary".
+Blocks with no allowed (t, s) under causal/window are skipped with pl.when, and their index
+maps are clamped into the live range so the skipped steps fetch nothing new. Dropout recomputes the contract's hash (`dropout_keep`, uint32) inside the kernel
+from the global (b, n, t, s); the seed travels in SMEM.
+
+Refused (`supports` says why): head dims outside 64..256 or not a multiple of 64, dtypes
+other than f32/bf16/f16, empty T or S.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from forgeax.kernels.common.attention import (
+    AttentionKernels,
+    AttentionSpec,
+    allowed_positions,
+    differentiable_attention,
+    dropout_keep,
+    reduce_bias_grad,
+)
+from forgeax.kernels.pallas.tpu.cross_entropy import _without_effects
+from forgeax.ops.interface import Implementation, interpret_enabled
+
+__all__ = ["ATTENTION"]
+
+_F32 = jnp.float32
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_VMEM_LIMIT = 48 << 20
+# Compiled blocks: a 512 x 512 f32 score tile is 1 MiB; the forward holds q, k, v tiles
+# (double-buffered, <= 256 KiB each at H = 256 bf16) and ~4 score-sized temporaries. The
+# backward holds more temporaries (p, dp, dz and casts), so it takes 256-row query blocks.
+_FWD_BLOCKS = (512, 512)
+_BWD_BLOCKS = (256, 512)
+# The interpreter pays per grid step but small blocks make the suite's T, S <= 200 shapes
+# cross block boundaries (several query blocks, two key blocks at S = 200).
+_INTERPRET_BLOCKS = (64, 128)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static shapes, block sizes and which optional inputs one call carries."""
+
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    Hv: int
+    bq: int
+    bk: int
+    dtype: jnp.dtype  # the compute dtype of q, k, v (f16 -> f32)
+    bias: tuple[int, int] | None  # (Bb, Nb)
+    mask: tuple[int, int] | None  # (Bm, Nm)
+    segments: bool
+
+    @property
+    def G(self) -> int:
+        return self.N // self.K
+
+    @property
+    def Tp(self) -> int:
+        return _round_up(self.T, self.bq)
+
+    @property
+    def Sp(self) -> int:
+        return _round_up(self.S, self.bk)
+
+    @property
+    def nq(self) -> int:
+        return self.Tp // self.bq
+
+    @property
+    def nk(self) -> int:
+        return self.Sp // self.bk
+
+
+def _layout(q, k, v, bias, mask, qseg, *, backward: bool) -> _Layout:
+    B, T, N, H = q.shape
+    S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
+    dtype = jnp.dtype(_F32 if q.dtype == jnp.float16 else q.dtype)
+    bq, bk = _INTERPRET_BLOCKS if interpret_enabled() else (_BWD_BLOCKS if backward else _FWD_BLOCKS)
+    # Rows: 8 sublanes of 32 bits -> 16 rows of bf16, 32 of int8 (the mask tile).
+    align = 32 if mask is not None else (16 if dtype.itemsize == 2 else 8)
+    bq = min(bq, _round_up(T, align))
+    bk = min(bk, _round_up(S, 128))
+    return _Layout(
+        B, T, S, N, K, H, Hv, bq, bk, dtype,
+        None if bias is None else tuple(bias.shape[:2]),
+        None if mask is None else tuple(mask.shape[:2]),
+        qseg is not None,
+    )
+
+
+# ----------------------------------------------------------------------------- kernel pieces
+
+
+def _dot(a, b, dims):
+    """f32-accumulated a . b over `dims`; exact (HIGHEST) for f32 operands."""
+    precision = lax.Precision.HIGHEST if a.dtype == _F32 else None
+    return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=_F32)
+
+
+_NT = ((1,), (1,))  # a @ b.T
+_NN = ((1,), (0,))  # a @ b
+
+
+def _live(L: _Layout, spec: AttentionSpec, i, j):
+    """Whether query block i and key block j share any position-allowed (t, s) (True if unrestricted)."""
+    live = True
+    shift = L.S - L.T  # query t sits at key position t + S - T
+    if spec.right is not None:  # some s <= t + shift + right: the block's first key vs its last query
+        live = jnp.logical_and(live, j * L.bk <= (i + 1) * L.bq - 1 + shift + spec.right)
+    if spec.window_left is not None:  # some s >= t + shift - left: its last key vs its first query
+        live = jnp.logical_and(live, (j + 1) * L.bk - 1 >= i * L.bq + shift - spec.window_left)
+    return live
+
+
+def _scores(L: _Layout, spec: AttentionSpec, q, k, opt, b, n, i, j):
+    """(z masked with -inf, tanh of the soft cap or None, dropout keep or None) for one (bq, bk) tile."""
+    z = _dot(q, k, _NT) * spec.scale
+    th = None
+    if spec.logit_soft_cap is not None:
+        th = jnp.tanh(z * (1.0 / spec.logit_soft_cap))
+        z = spec.logit_soft_cap * th
+    if opt.bias is not None:
+        z = z + opt.bias[...].astype(_F32)
+    shape = (L.bq, L.bk)
+    t = i * L.bq + lax.broadcasted_iota(jnp.int32, shape, 0)
+    s = j * L.bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+    allowed = []
+    if L.Sp != L.S:
+        allowed.append(s < L.S)
+    positions = allowed_positions(spec, t, s, L.T, L.S)
+    if positions is not None:
+        allowed.append(positions)
+    if L.segments:
+        allowed.append(opt.qseg[...] == opt.kvseg[...])  # (bq, 1) == (1, bk)
+    if opt.mask is not None:
+        allowed.append(opt.mask[...] != 0)
+    if allowed:
+        z = jnp.where(functools.reduce(jnp.logical_and, allowed), z, -jnp.inf)
+    keep = None
+    if spec.dropout_rate > 0:
+        seed = jnp.full((1, 1), opt.seed[0], jnp.int32).astype(jnp.uint32)
+        keep = dropout_keep(seed, b, n, t, s, L.N, spec.dropout_threshold)
+    return z, th, keep
+
+
+@dataclasses.dataclass
+class _Optional:
+    bias: object = None
+    mask: object = None
+    qseg: object = None
+    kvseg: object = None
+    seed: object = None
+
+
+def _take_optional(L: _Layout, spec: AttentionSpec, refs):
+    """Splits the optional input refs (in `_optional_inputs` order) off the front of `refs`."""
+    refs = list(refs)
+    opt = _Optional()
+    if L.bias is not None:
+        opt.bias = refs.pop(0)
+    if L.mask is not None:
+        opt.mask = refs.pop(0)
+    if L.segments:
+        opt.qseg, opt.kvseg = refs.pop(0), refs.pop(0)
+    if spec.dropout_rate > 0:
+        opt.seed = refs.pop(0)
+    return opt, refs
+
+
+def _dropped(p, keep, spec):
+    return p if keep is None else jnp.where(keep, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, L: _Layout, spec: AttentionSpec):
+    opt, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _take_optional(L, spec, refs)
+    b, n, i, j = (pl.program_id(a) for a in range(4))
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, _F32)
+        l_sc[...] = jnp.zeros(l_sc.shape, _F32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
+
+    @pl.when(_live(L, spec, i, j))
+    def _step():
+        z, _, keep = _scores(L, spec, q_ref[...], k_ref[...], opt, b, n, i, j)
+        m_old = m_sc[...]
+        m_new = jnp.maximum(m_old, jnp.max(z, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all-masked row so far: exp(-inf) = 0
+        alpha = jnp.exp(m_old - m_safe)
+        p = jnp.exp(z - m_safe)
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_sc[...] = m_new
+        v = v_ref[...]
+        acc_sc[...] = alpha * acc_sc[...] + _dot(_dropped(p, keep, spec).astype(v.dtype), v, _NN)
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        l = l_sc[...]
+        nonempty = l > 0
+        inv = 1.0 / jnp.where(nonempty, l, 1.0)
+        o_ref[...] = jnp.where(nonempty, acc_sc[...] * inv, 0.0).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(nonempty, m_sc[...] + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+
+
+def _grad_tile(L, spec, q, k, v, do, lse, delta, opt, b, n, i, j):
+    """(pd, dz before the soft-cap factor, dz after it) of one tile, all f32."""
+    z, th, keep = _scores(L, spec, q, k, opt, b, n, i, j)
+    p = jnp.exp(z - lse)  # lse is +inf on empty and padded rows: p = 0
+    dp = _dropped(_dot(do, v, _NT), keep, spec)
+    dz = p * (dp - delta)
+    dz_capped = dz if th is None else dz * (1.0 - th * th)
+    return _dropped(p, keep, spec), dz, dz_capped
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, L: _Layout, spec: AttentionSpec):
+    opt, rest = _take_optional(L, spec, refs)
+    dk_ref, dv_ref = rest[:2]
+    dz_ref = rest[2] if L.bias is not None else None
+    dk_sc, dv_sc = rest[-2:]
+    b, kh, j, g, i = (pl.program_id(a) for a in range(5))
+    n = kh * L.G + g
+    first = jnp.logical_and(g == 0, i == 0)
+    last = jnp.logical_and(g == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1)
+
+    @pl.when(first)
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, _F32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, _F32)
+
+    live = _live(L, spec, i, j)
+
+    @pl.when(live)
+    def _step():
+        q, do = q_ref[...], do_ref[...]
+        pd, dz, dz_capped = _grad_tile(L, spec, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], opt, b, n, i, j)
+        dv_sc[...] += _dot(pd.T.astype(do.dtype), do, _NN)
+        dk_sc[...] += spec.scale * _dot(dz_capped.T.astype(q.dtype), q, _NN)
+        if dz_ref is not None:
+            dz_ref[...] = dz
+
+    if dz_ref is not None:
+        @pl.when(jnp.logical_not(live))
+        def _skipped():
+            dz_ref[...] = jnp.zeros(dz_ref.shape, _F32)
+
+    @pl.when(last)
+    def _finish():
+        dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, L: _Layout, spec: AttentionSpec):
+    opt, (dq_ref, dq_sc) = _take_optional(L, spec, refs)
+    b, n, i, j = (pl.program_id(a) for a in range(4))
+
+    @pl.when(j == 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, _F32)
+
+    @pl.when(_live(L, spec, i, j))
+    def _step():
+        k = k_ref[...]
+        _, _, dz_capped = _grad_tile(L, spec, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], opt, b, n, i, j)
+        dq_sc[...] += spec.scale * _dot(dz_capped.astype(k.dtype), k, _NN)
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- launchers
+# Index maps see the grid's indices through an `ids` function that names them (b, n, i, j):
+# the forward / dq grid is (B, N, nq, nk), the dkv grid (B, K, nk, G, nq). Under causal/window
+# the streamed axis is clamped into the live range, so a skipped step asks for the block the
+# previous step already holds and the pipeline issues no DMA for it (the body does not run).
+# Bounds: floor divisions of possibly negative numbers, done with lax.div (truncation; jnp's
+# // lowers through `sign`, which needs a TPU to lower); they differ only below 0, where the
+# clamp to [0, n - 1] makes them agree.
+
+
+def _key_range(L: _Layout, spec: AttentionSpec, i):
+    """(first, last) key block with allowed positions for query block i (unclamped)."""
+    shift = L.S - L.T
+    lo = 0 if spec.window_left is None else lax.div(i * L.bq + shift - spec.window_left, L.bk)
+    hi = L.nk - 1 if spec.right is None else lax.div((i + 1) * L.bq - 1 + shift + spec.right, L.bk)
+    return lo, hi
+
+
+def _query_range(L: _Layout, spec: AttentionSpec, j):
+    """(first, last) query block with allowed positions for key block j (unclamped)."""
+    shift = L.S - L.T
+    lo = 0 if spec.right is None else lax.div(j * L.bk - shift - spec.right, L.bq)
+    hi = L.nq - 1 if spec.window_left is None else lax.div((j + 1) * L.bk - 1 - shift + spec.window_left, L.bq)
+    return lo, hi
+
+
+def _clamp(x, lo, hi, n):
+    return jnp.minimum(jnp.maximum(jnp.minimum(jnp.maximum(x, lo), hi), 0), n - 1)
+
+
+def _fwd_grid_ids(L: _Layout, spec: AttentionSpec):
+    def ids(b, n, i, j):
+        if spec.has_position_mask:
+            j = _clamp(j, *_key_range(L, spec, i), L.nk)
+        return b, n, i, j
+    return ids
+
+
+def _dkv_grid_ids(L: _Layout, spec: AttentionSpec):
+    def ids(b, kh, j, g, i):
+        if spec.has_position_mask:
+            i = _clamp(i, *_query_range(L, spec, j), L.nq)
+        return b, kh * L.G + g, i, j
+    return ids
+
+
+def _specs(L: _Layout, spec: AttentionSpec, ids, *, grad: bool):
+    """BlockSpecs of (q, k, v, [do, lse, delta], optional inputs); `ids` maps grid indices to (b, n, i, j)."""
+    at = lambda f: (lambda *g: f(*ids(*g)))  # noqa: E731
+    row_block = lambda width: pl.BlockSpec((None, None, L.bq, width), at(lambda b, n, i, j: (b, n, i, 0)))  # noqa: E731
+    kv_block = lambda width: pl.BlockSpec((None, None, L.bk, width), at(lambda b, n, i, j: (b, lax.div(n, L.G), j, 0)))  # noqa: E731
+    specs = [row_block(L.H), kv_block(L.H), kv_block(L.Hv)]
+    if grad:
+        specs += [row_block(L.Hv), row_block(1), row_block(1)]
+    for shape in (L.bias, L.mask):
+        if shape is not None:
+            bb, nb = shape
+            specs.append(pl.BlockSpec(
+                (None, None, L.bq, L.bk),
+                at(lambda b, n, i, j, bb=bb, nb=nb: (b if bb > 1 else 0, n if nb > 1 else 0, i, j)),
+            ))
+    if L.segments:
+        specs.append(pl.BlockSpec((None, L.bq, 1), at(lambda b, n, i, j: (b, i, 0))))
+        specs.append(pl.BlockSpec((None, 1, L.bk), at(lambda b, n, i, j: (b, 0, j))))
+    if spec.dropout_rate > 0:
+        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    return specs
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, scratch, semantics, cost, interpret):
+    call = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT),
+        cost_estimate=cost,
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )
+    return _without_effects(call, out_shape) if interpret else call
+
+
+def _cost(L: _Layout, spec: AttentionSpec, matmuls: int, nbytes: int):
+    pairs = L.B * L.N * L.T * L.S * (0.5 if spec.causal and L.T == L.S else 1.0)
+    return pl.CostEstimate(
+        flops=int(2 * pairs * (matmuls[0] * L.H + matmuls[1] * L.Hv)),
+        transcendentals=int(pairs * (2 if spec.logit_soft_cap else 1)), bytes_accessed=int(nbytes),
+    )
+
+
+def _nbytes(*arrays):
+    return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_call(L: _Layout, spec: AttentionSpec, out_dtype, interpret: bool, nbytes: int):
+    ids = _fwd_grid_ids(L, spec)
+    out_shape = [
+        jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.Hv), out_dtype),
+        jax.ShapeDtypeStruct((L.B, L.N, L.Tp, 1), _F32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, L.bq, L.Hv), lambda b, n, i, j: (b, n, i, 0)),
+        pl.BlockSpec((None, None, L.bq, 1), lambda b, n, i, j: (b, n, i, 0)),
+    ]
+    return _call(
+        functools.partial(_fwd_kernel, L=L, spec=spec),
+        grid=(L.B, L.N, L.nq, L.nk),
+        in_specs=_specs(L, spec, ids, grad=False),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch=[pltpu.VMEM((L.bq, 1), _F32), pltpu.VMEM((L.bq, 1), _F32), pltpu.VMEM((L.bq, L.Hv), _F32)],
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        cost=_cost(L, spec, (1, 1), nbytes),
+        interpret=interpret,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _dkv_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
+    kv_map = lambda b, kh, j, g, i: (b, kh, j, 0)  # noqa: E731
+    out_shape = [
+        jax.ShapeDtypeStruct((L.B, L.K, L.Sp, L.H), L.dtype),
+        jax.ShapeDtypeStruct((L.B, L.K, L.Sp, L.Hv), L.dtype),
+    ]
+    out_specs = [pl.BlockSpec((None, None, L.bk, L.H), kv_map), pl.BlockSpec((None, None, L.bk, L.Hv), kv_map)]
+    if L.bias is not None:  # dz, summed over the bias' broadcast axes by the wrapper
+        out_shape.append(jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.Sp), _F32))
+        out_specs.append(pl.BlockSpec(
+            (None, None, L.bq, L.bk), lambda b, kh, j, g, i: (b, kh * L.G + g, i, j)))
+    return _call(
+        functools.partial(_dkv_kernel, L=L, spec=spec),
+        grid=(L.B, L.K, L.nk, L.G, L.nq),
+        in_specs=_specs(L, spec, _dkv_grid_ids(L, spec), grad=True),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch=[pltpu.VMEM((L.bk, L.H), _F32), pltpu.VMEM((L.bk, L.Hv), _F32)],
+        semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        cost=_cost(L, spec, (2, 2), nbytes),
+        interpret=interpret,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _dq_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
+    out_shape = jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.H), L.dtype)
+    return _call(
+        functools.partial(_dq_kernel, L=L, spec=spec),
+        grid=(L.B, L.N, L.nq, L.nk),
+        in_specs=_specs(L, spec, _fwd_grid_ids(L, spec), grad=True),
+        out_specs=pl.BlockSpec((None, None, L.bq, L.H), lambda b, n, i, j: (b, n, i, 0)),
+        out_shape=out_shape,
+        scratch=[pltpu.VMEM((L.bq, L.H), _F32)],
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        cost=_cost(L, spec, (2, 1), nbytes),
+        interpret=interpret,
+    )
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def _pad_axis(a, axis, size, value=0):
+    if a.shape[axis] == size:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, pad, constant_values=value)
+
+
+def _heads_major(a, length, dtype):
+    """[B, T, N, H] -> [B, N, length, H] in `dtype` (one fused transpose + pad)."""
+    return _pad_axis(jnp.swapaxes(a, 1, 2).astype(dtype), 2, length)
+
+
+def _rows(a, L: _Layout, value=0.0):
+    """[B, N, T] per-row vector -> [B, N, Tp, 1] column."""
+    return _pad_axis(a, 2, L.Tp, value)[..., None]
+
+
+def _optional_inputs(L: _Layout, spec: AttentionSpec, bias, mask, qseg, kvseg, seed):
+    extra = []
+    if bias is not None:
+        extra.append(_pad_axis(_pad_axis(bias, 2, L.Tp), 3, L.Sp))
+    if mask is not None:
+        extra.append(_pad_axis(_pad_axis(mask.astype(jnp.int8), 2, L.Tp), 3, L.Sp))
+    if L.segments:
+        extra.append(_pad_axis(qseg.astype(jnp.int32), 1, L.Tp)[:, :, None])
+        extra.append(_pad_axis(kvseg.astype(jnp.int32), 1, L.Sp)[:, None, :])
+    if spec.dropout_rate > 0:
+        extra.append(lax.bitcast_convert_type(jnp.asarray(seed, jnp.uint32), jnp.int32).reshape(1))
+    return extra
+
+
+def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec: AttentionSpec):
+    L = _layout(q, k, v, bias, mask, q_segment_ids, backward=False)
+    args = [_heads_major(q, L.Tp, L.dtype), _heads_major(k, L.Sp, L.dtype), _heads_major(v, L.Sp, L.dtype)]
+    args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
+    out_dtype = jnp.dtype(L.dtype if q.dtype == jnp.float16 else q.dtype)
+    call = _fwd_call(L, spec, out_dtype, interpret_enabled(), _nbytes(*args) + L.B * L.N * L.T * L.Hv * out_dtype.itemsize)
+    out, lse = call(*args)
+    out = jnp.swapaxes(out[:, :, :L.T], 1, 2).astype(q.dtype)
+    return out, lse[:, :, :L.T, 0]
+
+
+def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec: AttentionSpec):
+    L = _layout(q, k, v, bias, mask, q_segment_ids, backward=True)
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(_F32), out.astype(_F32)) - dlse.astype(_F32)
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # empty rows: p = exp(z - inf) = 0
+    args = [
+        _heads_major(q, L.Tp, L.dtype), _heads_major(k, L.Sp, L.dtype), _heads_major(v, L.Sp, L.dtype),
+        _heads_major(dout, L.Tp, L.dtype), _rows(lse_safe, L, jnp.inf), _rows(delta, L),
+    ]
+    args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
+    interpret = interpret_enabled()
+    nbytes = _nbytes(*args)
+    dk, dv, *dz = _dkv_call(L, spec, interpret, nbytes)(*args)
+    dq = _dq_call(L, spec, interpret, nbytes)(*args)
+    unpad = lambda a, n: jnp.swapaxes(a[:, :, :n], 1, 2)  # noqa: E731
+    dbias = None
+    if bias is not None:
+        dbias = reduce_bias_grad(dz[0][:, :, :L.T, :L.S], bias.shape[:2]).astype(bias.dtype)
+    return unpad(dq, L.T).astype(q.dtype), unpad(dk, L.S).astype(k.dtype), unpad(dv, L.S).astype(v.dtype), dbias
+
+
+def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):
+    del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec
+    if jnp.dtype(q.dtype) not in _DTYPES:
+        return f"dtype {jnp.dtype(q.dtype).name} is not one of float32/bfloat16/float16"
+    for name, h in (("head_dim", q.shape[3]), ("value head_dim", v.shape[3])):
+        if not (64 <= h <= 256 and h % 64 == 0):
+            return f"{name} {h} not supported: needs a multiple of 64 in [64, 256]"
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return "empty query or key sequence"
+    return None
+
+
+ATTENTION = Implementation(
+    fn=differentiable_attention(AttentionKernels(forward=_forward, backward=_backward)),
+    platforms=("tpu",),
+    interpretable=True,
+    supports=_supports,
+)

@@ -1,0 +1,601 @@
+"""Attention as Triton kernels: FlashAttention-2 forward and a fused, atomic-free backward.
+
+The contract (math, masks, causal alignment, dropout hash) is the docstring of
+kernels/common/attention.py. Arrays arrive normalised: q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv]
+(contiguous, read in place: every stride is a constexpr derived from the static shape, so loads
+vectorise and nothing is transposed in HBM); query head n reads kv head n // G, G = N // K.
+
+Forward (`_fwd_kernel`, grid (cdiv(T, BM), B*N), the last query block first: under causal
+masking it is the heaviest). Per query block, an online softmax over key blocks in log2 units:
+    z2 = log2(e) * logits(q k^T)        logits: scale, soft cap, + bias, -inf where not allowed
+    m' = max(m, rowmax z2);  l = l 2^(m - m') + rowsum 2^(z2 - m');  acc likewise with p @ v
+    out = acc / l / (1 - rate) (0 when l == 0),  lse = ln 2 * (m + log2 l) (-inf when l == 0).
+m is replaced by 0 while it is -inf, so a row with no allowed key so far never makes NaN.
+Dropout multiplies p by the keep mask in the `acc` update only (l, hence lse, is pre-dropout).
+
+Block sparsity: `_key_blocks` turns the causal/window rule into [lo, hi) key bounds for a query
+block (blocks outside are never read) and an inner [full_lo, full_hi) of blocks every row may
+see entirely, which skip the position/tail masking (`MASKED=False`). `_query_blocks` is the same
+from a key block's side. Segment ids, the mask and the bias are data, applied on every tile.
+
+Backward: `_delta_kernel` computes D = rowsum(dout * out) - dlse, then ONE `_bwd_kernel` launch
+with grid (cdiv(S, BN1) + cdiv(T, BM2), B*N): the first programs of each (b, n) row do dK/dV for
+a key block, looping over query blocks; the rest do dQ for a query block, looping over key
+blocks (recomputing p and dp). No atomics, deterministic. GQA: the dK/dV program of kv head h
+loops over its G query heads itself (only the programs with n % G == 0 work; the others exit),
+so dk/dv are summed in f32 registers and written once in k's dtype: no G-times larger f32
+per-query-head buffers and no extra XLA reduction. With a bias, the dQ half also writes
+dz = p (dp - D) (before the soft-cap factor) as f32 [B,N,T,S], zeros on skipped blocks;
+`reduce_bias_grad` sums it over the bias's broadcast axes.
+
+Head dims are padded to powers of two (>= 16) with masked loads; f32 inputs use IEEE dots (no
+TF32) so f32 results match the reference. Optional inputs are passed as 1-element dummies with a
+constexpr flag. Tunables are `AttentionConfig`s keyed by padded head dim and dtype width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from forgeax.kernels.common.attention import (
+    FMIX_1, FMIX_2, GOLDEN_BN, GOLDEN_S, GOLDEN_T, AttentionKernels, AttentionSpec,
+    differentiable_attention, reduce_bias_grad,
+)
+from forgeax.kernels.triton.launch import triton_call
+from forgeax.ops.interface import Implementation, interpret_enabled
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_HEAD_DIM = 256
+# Globals a @triton.jit function reads must be constexprs.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+_FMIX_1, _FMIX_2 = tl.constexpr(FMIX_1), tl.constexpr(FMIX_2)
+_GOLDEN_BN, _GOLDEN_T, _GOLDEN_S = tl.constexpr(GOLDEN_BN), tl.constexpr(GOLDEN_T), tl.constexpr(GOLDEN_S)
+
+
+# ----------------------------------------------------------------------------- shared tile math
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # f32 inputs: full-precision products (tl.dot would use TF32)
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _tanh(y):
+    """tanh from exp (the interpreter has no libdevice); exp(-2|y|) <= 1 cannot overflow."""
+    e = tl.exp(-2.0 * tl.abs(y))
+    th = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -th, th)
+
+
+@triton.jit
+def _fmix(x):
+    x = x ^ (x >> 16)
+    x = x * tl.full([], _FMIX_1, tl.uint32)
+    x = x ^ (x >> 13)
+    x = x * tl.full([], _FMIX_2, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _head_hash(SEED, b, n, N: tl.constexpr):
+    seed = tl.load(SEED).to(tl.uint32)
+    return _fmix(seed ^ ((b * N + n).to(tl.uint32) * tl.full([], _GOLDEN_BN, tl.uint32)))
+
+
+@triton.jit
+def _keep(h_bn, t, s, THRESH: tl.constexpr):
+    """The contract's keep mask for query indices t and key indices s (broadcast shapes)."""
+    h = _fmix(h_bn ^ (t.to(tl.uint32) * tl.full([], _GOLDEN_T, tl.uint32)))
+    h = _fmix(h ^ (s.to(tl.uint32) * tl.full([], _GOLDEN_S, tl.uint32)))
+    return (h >> 8) >= tl.full([], THRESH, tl.uint32)
+
+
+@triton.jit
+def _logits2(qk, t, s, b, n, BIAS, MASK, QSEG, KVSEG, T: tl.constexpr, S: tl.constexpr,
+             SCALE: tl.constexpr, CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+             HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr,
+             HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
+             HAS_SEG: tl.constexpr, MASKED: tl.constexpr):
+    """(z in log2 units, -inf where not allowed; tanh of the soft cap or 0) for a tile of q.k.
+
+    t and s are the tile's query and key indices, broadcastable to qk's shape (either
+    orientation). MASKED: apply the position rule and the key tail (else the caller knows the
+    whole tile is inside both).
+    """
+    th = 0.0
+    if CAP > 0:
+        th = _tanh(qk * (SCALE / CAP))
+        z = th * (CAP * LOG2E)
+    else:
+        z = qk * (SCALE * LOG2E)
+    inside = (t < T) & (s < S)
+    if HAS_BIAS:
+        base = b.to(tl.int64) * BIAS_SB + n.to(tl.int64) * BIAS_SN
+        z += tl.load(BIAS + base + t * S + s, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    if MASKED:
+        ok = s < S
+        if RIGHT >= 0:
+            ok = ok & (s <= t + (S - T + RIGHT))
+        if LEFT >= 0:
+            ok = ok & (s >= t + (S - T - LEFT))
+        z = tl.where(ok, z, float("-inf"))
+    if HAS_SEG:
+        qs = tl.load(QSEG + b * T + t, mask=t < T, other=0)
+        ks = tl.load(KVSEG + b * S + s, mask=s < S, other=0)
+        z = tl.where(qs == ks, z, float("-inf"))
+    if HAS_MASK:
+        base = b.to(tl.int64) * MASK_SB + n.to(tl.int64) * MASK_SN
+        allowed = tl.load(MASK + base + t * S + s, mask=inside, other=0)
+        z = tl.where(allowed != 0, z, float("-inf"))
+    return z, th
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), tl.maximum(hi, lo))
+
+
+@triton.jit
+def _key_blocks(m0, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+                LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    """Key bounds for queries [m0, m0 + BM): read [lo, hi), mask [lo, a) and [c, hi) only.
+
+    Query t sits at key position t + S - T and sees [pos - LEFT, pos + RIGHT] (-1 = unbounded).
+    lo, a, c are multiples of BN; a key block [x, x + BN) inside [a, c) is allowed for every
+    row of the block and lies below S.
+    """
+    zero = m0 * 0
+    lo = zero
+    hi = zero + S
+    full_lo = zero
+    full_hi = zero + (S // BN) * BN
+    if RIGHT >= 0:
+        hi = tl.minimum(hi, m0 + (BM + S - T + RIGHT))
+        full_hi = tl.minimum(full_hi, tl.maximum(m0 + (S - T + RIGHT + 1), 0) // BN * BN)
+    if LEFT >= 0:
+        lo = tl.maximum(m0 + (S - T - LEFT), 0) // BN * BN
+        full_lo = (tl.maximum(m0 + (BM - 1 + S - T - LEFT), 0) + BN - 1) // BN * BN
+    a = _clamp(full_lo, lo, hi)
+    c = _clamp(full_hi, a, hi)
+    return lo, a, c, hi
+
+
+@triton.jit
+def _query_blocks(n0, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+                  LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    """Query bounds for keys [n0, n0 + BN), as `_key_blocks` (rows >= T need no mask here:
+    their lse is +inf in the backward, so p = 0)."""
+    zero = n0 * 0
+    lo = zero
+    hi = zero + T
+    full_lo = zero
+    full_hi = zero + T + BM  # any bound >= T: the tail needs no position mask
+    if RIGHT >= 0:  # s <= t + S - T + RIGHT  <=>  t >= s - (S - T + RIGHT)
+        lo = tl.maximum(n0 - (S - T + RIGHT), 0) // BM * BM
+        full_lo = (tl.maximum(n0 + (BN - 1 - S + T - RIGHT), 0) + BM - 1) // BM * BM
+    if LEFT >= 0:  # s >= t + S - T - LEFT  <=>  t <= s - (S - T - LEFT)
+        hi = tl.minimum(hi, n0 + (BN - S + T + LEFT))
+        full_hi = tl.maximum(n0 + (T - S + LEFT + 1), 0) // BM * BM
+    a = _clamp(full_lo, lo, hi)
+    c = _clamp(full_hi, a, hi)
+    return lo, a, c, hi
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG,
+              T: tl.constexpr, S: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+              HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+              LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
+              BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
+              HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, BN: tl.constexpr,
+              IEEE: tl.constexpr, MASKED: tl.constexpr):
+    s = start + tl.arange(0, BN)
+    hk = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    kt_mask = (s[None, :] < S) & (hk[:, None] < H)
+    kt = tl.load(K + k_base + s[None, :] * (KH * H) + hk[:, None], mask=kt_mask, other=0.0)
+    z, th = _logits2(_dot(q, kt, IEEE), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE,
+                     CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
+    m_new = tl.maximum(m_i, tl.max(z, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(z - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROP:
+        p = tl.where(_keep(h_bn, t[:, None], s[None, :], THRESH), p, 0.0)
+    v_mask = (s[:, None] < S) & (hv[None, :] < HV)
+    vt = tl.load(V + v_base + s[:, None] * (KH * HV) + hv[None, :], mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, O, LSE,
+                T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
+                HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
+                CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr,
+                MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
+                KEEP_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM  # heaviest (last) query block first
+    bn = tl.program_id(1)
+    b = bn // N
+    n = bn % N
+    kh = n // (N // KH)
+    t = m0 + tl.arange(0, BM)
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    q_base = b.to(tl.int64) * (T * N * H) + n * H
+    k_base = b.to(tl.int64) * (S * KH * H) + kh * H
+    v_base = b.to(tl.int64) * (S * KH * HV) + kh * HV
+    q = tl.load(Q + q_base + t[:, None] * (N * H) + h[None, :], mask=(t[:, None] < T) & (h[None, :] < H), other=0.0)
+    h_bn = 0
+    if DROP:
+        h_bn = _head_hash(SEED, b, n, N)
+    acc = tl.zeros([BM, HVP], dtype=tl.float32)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    lo, a, c, hi = _key_blocks(m0, BM, BN, T, S, LEFT, RIGHT)
+    for start in range(lo, a, BN):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
+                                  KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
+                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, IEEE, True)
+    for start in range(a, c, BN):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
+                                  KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
+                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, IEEE, False)
+    for start in range(c, hi, BN):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
+                                  KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
+                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, IEEE, True)
+    nonempty = l_i > 0.0
+    inv = tl.where(nonempty, KEEP_SCALE / tl.where(nonempty, l_i, 1.0), 0.0)
+    out = acc * inv[:, None]
+    o_base = b.to(tl.int64) * (T * N * HV) + n * HV
+    tl.store(O + o_base + t[:, None] * (N * HV) + hv[None, :], out.to(O.dtype.element_ty),
+             mask=(t[:, None] < T) & (hv[None, :] < HV))
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(nonempty, (m_safe + tl.math.log2(tl.where(nonempty, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(LSE + bn.to(tl.int64) * T + t, lse, mask=t < T)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _delta_kernel(O, DO, DLSE, DELTA, T: tl.constexpr, N: tl.constexpr, HV: tl.constexpr, HVP: tl.constexpr,
+                  BM: tl.constexpr):
+    """DELTA[b, n, t] = sum_h dout * out - dlse (f32)."""
+    bn = tl.program_id(1)
+    t = tl.program_id(0) * BM + tl.arange(0, BM)
+    hv = tl.arange(0, HVP)
+    base = (bn // N).to(tl.int64) * (T * N * HV) + (bn % N) * HV
+    offs = base + t[:, None] * (N * HV) + hv[None, :]
+    inside = (t[:, None] < T) & (hv[None, :] < HV)
+    o = tl.load(O + offs, mask=inside, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=inside, other=0.0).to(tl.float32)
+    row = bn.to(tl.int64) * T + t
+    dlse = tl.load(DLSE + row, mask=t < T, other=0.0)
+    tl.store(DELTA + row, tl.sum(o * do, 1) - dlse, mask=t < T)
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, row, t, T: tl.constexpr):
+    """(lse in log2 units with +inf for empty/out-of-range rows, so p = 2^(z - lse) = 0; D)."""
+    lse = tl.load(LSE + row, mask=t < T, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return lse2, tl.load(DELTA + row, mask=t < T, other=0.0)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
+               T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+               HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+               LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
+               BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
+               HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
+               BM: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]."""
+    t = start + tl.arange(0, BM)
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    q_base = b.to(tl.int64) * (T * N * H) + n * H
+    qt = tl.load(Q + q_base + t[None, :] * (N * H) + h[:, None], mask=(t[None, :] < T) & (h[:, None] < H), other=0.0)
+    do_base = b.to(tl.int64) * (T * N * HV) + n * HV
+    do = tl.load(DO + do_base + t[:, None] * (N * HV) + hv[None, :], mask=(t[:, None] < T) & (hv[None, :] < HV), other=0.0)
+    lse2, d = _row_stats(LSE, DELTA, (b * N + n).to(tl.int64) * T + t, t, T)
+    zt, tht = _logits2(_dot(k, qt, IEEE), t[None, :], s[:, None], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
+                       LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
+    pt = tl.math.exp2(zt - lse2[None, :])
+    dpt = _dot(v, tl.trans(do), IEEE)
+    if DROP:
+        keep = _keep(h_bn, t[None, :], s[:, None], THRESH)
+        dv += _dot(tl.where(keep, pt * KEEP_SCALE, 0.0).to(do.dtype), do, IEEE)
+        dpt = tl.where(keep, dpt * KEEP_SCALE, 0.0)
+    else:
+        dv += _dot(pt.to(do.dtype), do, IEEE)
+    dzt = pt * (dpt - d[None, :])
+    if CAP > 0:
+        dzt = dzt * (1.0 - tht * tht)
+    dk += _dot(dzt.to(qt.dtype), tl.trans(qt), IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
+             T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
+             HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+             LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
+             BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
+             HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
+             BN: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """One key block's contribution to dq of a query block (and its dz tile when there is a bias)."""
+    s = start + tl.arange(0, BN)
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    kt = tl.load(K + k_base + s[None, :] * (KH * H) + h[:, None], mask=(s[None, :] < S) & (h[:, None] < H), other=0.0)
+    vt = tl.load(V + v_base + s[None, :] * (KH * HV) + hv[:, None], mask=(s[None, :] < S) & (hv[:, None] < HV), other=0.0)
+    z, th = _logits2(_dot(q, kt, IEEE), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
+                     LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
+    p = tl.math.exp2(z - lse2[:, None])
+    dp = _dot(do, vt, IEEE)
+    if DROP:
+        dp = tl.where(_keep(h_bn, t[:, None], s[None, :], THRESH), dp * KEEP_SCALE, 0.0)
+    dz = p * (dp - d[:, None])
+    if HAS_BIAS:
+        dz_base = (b * N + n).to(tl.int64) * (T * S)
+        tl.store(DZ + dz_base + t[:, None] * S + s[None, :], dz, mask=(t[:, None] < T) & (s[None, :] < S))
+    if CAP > 0:
+        dz = dz * (1.0 - th * th)
+    return dq + _dot(dz.to(kt.dtype), tl.trans(kt), IEEE)
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, DO, LSE, DELTA, DQ, DK, DV, DZ,
+                T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
+                HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
+                CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr,
+                MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
+                KEEP_SCALE: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr,
+                BN2: tl.constexpr, IEEE: tl.constexpr):
+    G: tl.constexpr = N // KH
+    pid = tl.program_id(0)
+    bn = tl.program_id(1)
+    b = bn // N
+    n0 = bn % N
+    kh = n0 // G
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    k_base = b.to(tl.int64) * (S * KH * H) + kh * H
+    v_base = b.to(tl.int64) * (S * KH * HV) + kh * HV
+    NKB: tl.constexpr = (S + BN1 - 1) // BN1
+    if pid < NKB:
+        if n0 % G == 0:  # the first query head of its group does the group's dk/dv
+            s = pid * BN1 + tl.arange(0, BN1)  # key block 0 (the heaviest under causal) first
+            k_mask = (s[:, None] < S) & (h[None, :] < H)
+            v_mask = (s[:, None] < S) & (hv[None, :] < HV)
+            k = tl.load(K + k_base + s[:, None] * (KH * H) + h[None, :], mask=k_mask, other=0.0)
+            v = tl.load(V + v_base + s[:, None] * (KH * HV) + hv[None, :], mask=v_mask, other=0.0)
+            dk = tl.zeros([BN1, HP], dtype=tl.float32)
+            dv = tl.zeros([BN1, HVP], dtype=tl.float32)
+            lo, a, c, hi = _query_blocks(pid * BN1, BM1, BN1, T, S, LEFT, RIGHT)
+            for g in range(G):
+                n = n0 + g
+                h_bn = 0
+                if DROP:
+                    h_bn = _head_hash(SEED, b, n, N)
+                for start in range(lo, a, BM1):
+                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
+                                        T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN,
+                                        HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1, IEEE, True)
+                for start in range(a, c, BM1):
+                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
+                                        T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN,
+                                        HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1, IEEE, False)
+                for start in range(c, hi, BM1):
+                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
+                                        T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN,
+                                        HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1, IEEE, True)
+            tl.store(DK + k_base + s[:, None] * (KH * H) + h[None, :], (dk * SCALE).to(DK.dtype.element_ty), mask=k_mask)
+            tl.store(DV + v_base + s[:, None] * (KH * HV) + hv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
+    else:
+        n = n0
+        m0 = (tl.num_programs(0) - 1 - pid) * BM2  # the last (heaviest) query block first
+        t = m0 + tl.arange(0, BM2)
+        q_base = b.to(tl.int64) * (T * N * H) + n * H
+        q_mask = (t[:, None] < T) & (h[None, :] < H)
+        q = tl.load(Q + q_base + t[:, None] * (N * H) + h[None, :], mask=q_mask, other=0.0)
+        do_base = b.to(tl.int64) * (T * N * HV) + n * HV
+        do = tl.load(DO + do_base + t[:, None] * (N * HV) + hv[None, :], mask=(t[:, None] < T) & (hv[None, :] < HV), other=0.0)
+        lse2, d = _row_stats(LSE, DELTA, bn.to(tl.int64) * T + t, t, T)
+        h_bn = 0
+        if DROP:
+            h_bn = _head_hash(SEED, b, n, N)
+        dq = tl.zeros([BM2, HP], dtype=tl.float32)
+        lo, a, c, hi = _key_blocks(m0, BM2, BN2, T, S, LEFT, RIGHT)
+        for start in range(lo, a, BN2):
+            dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
+                          T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, IEEE, True)
+        for start in range(a, c, BN2):
+            dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
+                          T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, IEEE, False)
+        for start in range(c, hi, BN2):
+            dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
+                          T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, IEEE, True)
+        tl.store(DQ + q_base + t[:, None] * (N * H) + h[None, :], (dq * SCALE).to(DQ.dtype.element_ty), mask=q_mask)
+        if HAS_BIAS:  # dz is 0 on the key blocks the bounds skipped
+            dz_base = bn.to(tl.int64) * (T * S)
+            zeros = tl.zeros([BM2, BN2], dtype=tl.float32)
+            for start in range(0, lo, BN2):
+                s = start + tl.arange(0, BN2)
+                tl.store(DZ + dz_base + t[:, None] * S + s[None, :], zeros, mask=(t[:, None] < T) & (s[None, :] < S))
+            for start in range(tl.maximum(hi, lo), S, BN2):
+                s = start + tl.arange(0, BN2)
+                tl.store(DZ + dz_base + t[:, None] * S + s[None, :], zeros,
+                         mask=(t[:, None] < T) & (s[None, :] < S) & (s[None, :] >= 0))
+
+
+# ----------------------------------------------------------------------------- configs and launch
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Tiles and launch shape: forward (block_m queries x block_n keys); fused backward with
+    dK/dV programs of block_n1 keys looping over block_m1 queries, dQ programs of block_m2
+    queries looping over block_n2 keys (one num_warps/num_stages for both halves)."""
+
+    block_m: int
+    block_n: int
+    fwd_warps: int
+    fwd_stages: int
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    bwd_warps: int
+    bwd_stages: int
+
+
+# Keyed by (padded max(H, Hv) upper bound, bytes per element). H <= 128, 16-bit: the H200
+# measurements of notes/TRITON_JAX.md. H = 256 and f32: halved tiles so the shared memory
+# (q/k/v tiles x stages) stays under Hopper's 227 KB; not timed.
+_CONFIGS = {
+    (128, 2): AttentionConfig(128, 128, 8, 3, 64, 128, 128, 64, 8, 3),
+    (256, 2): AttentionConfig(64, 64, 4, 3, 32, 64, 64, 32, 4, 2),
+    (128, 4): AttentionConfig(64, 64, 4, 3, 32, 64, 64, 32, 4, 2),
+    (256, 4): AttentionConfig(64, 32, 4, 2, 16, 32, 32, 16, 4, 1),
+}
+# The interpreter pays per block operation; small, unequal tiles still exercise the block bounds.
+_INTERPRET_CONFIG = AttentionConfig(32, 16, 4, 1, 16, 32, 32, 16, 4, 1)
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def config_for(head_dim: int, value_dim: int, dtype) -> AttentionConfig:
+    if interpret_enabled():
+        return _INTERPRET_CONFIG
+    width = 128 if max(_pow2(head_dim), _pow2(value_dim)) <= 128 else 256
+    return _CONFIGS[(width, 4 if jnp.dtype(dtype).itemsize == 4 else 2)]
+
+
+def _statics(q, k, v, bias, mask, qseg, spec: AttentionSpec) -> dict:
+    """The constexprs shared by every kernel of one call."""
+    B, T, N, H = q.shape
+    S, KH, HV = k.shape[1], k.shape[2], v.shape[3]
+    pair_strides = lambda a: (0, 0) if a is None else (
+        0 if a.shape[0] == 1 else a.shape[1] * T * S, 0 if a.shape[1] == 1 else T * S)
+    bias_sb, bias_sn = pair_strides(bias)
+    mask_sb, mask_sn = pair_strides(mask)
+    rate = spec.dropout_rate
+    return dict(
+        T=T, S=S, N=N, KH=KH, H=H, HV=HV, HP=_pow2(H), HVP=_pow2(HV), SCALE=float(spec.scale),
+        CAP=float(spec.logit_soft_cap or 0.0),
+        LEFT=-1 if spec.window_left is None else int(spec.window_left),
+        RIGHT=-1 if spec.right is None else int(spec.right),
+        HAS_BIAS=bias is not None, BIAS_SB=bias_sb, BIAS_SN=bias_sn,
+        HAS_MASK=mask is not None, MASK_SB=mask_sb, MASK_SN=mask_sn, HAS_SEG=qseg is not None,
+        DROP=rate > 0, THRESH=int(spec.dropout_threshold), KEEP_SCALE=float(1.0 / (1.0 - rate)),
+        IEEE=q.dtype == jnp.float32,
+    )
+
+
+def _optional_inputs(bias, mask, qseg, kvseg, seed):
+    """Absent inputs become 1-element dummies (the kernels never read them: constexpr flags)."""
+    dummy = lambda dt: jnp.zeros((1,), dt)
+    return (
+        dummy(jnp.float32) if bias is None else bias,
+        dummy(jnp.int8) if mask is None else mask.astype(jnp.int8),  # a bool pointer is not portable
+        dummy(jnp.int32) if qseg is None else qseg.astype(jnp.int32),
+        dummy(jnp.int32) if kvseg is None else kvseg.astype(jnp.int32),
+        dummy(jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32).reshape(1),
+    )
+
+
+def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
+    B, T, N, _ = q.shape
+    HV = v.shape[3]
+    cfg = config_for(q.shape[3], HV, q.dtype)
+    statics = _statics(q, k, v, bias, mask, q_segment_ids, spec)
+    out, lse = triton_call(
+        q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed),
+        kernel=_fwd_kernel,
+        out_shape=(jax.ShapeDtypeStruct((B, T, N, HV), q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32)),
+        grid=(triton.cdiv(T, cfg.block_m), B * N),
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        BM=cfg.block_m, BN=cfg.block_n, **statics,
+    )
+    return out, lse
+
+
+def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
+    B, T, N, H = q.shape
+    S, HV = k.shape[1], v.shape[3]
+    cfg = config_for(H, HV, q.dtype)
+    statics = _statics(q, k, v, bias, mask, q_segment_ids, spec)
+    delta_bm = 64 if not interpret_enabled() else 32
+    delta = triton_call(
+        out, dout.astype(out.dtype), dlse.astype(jnp.float32),
+        kernel=_delta_kernel, out_shape=jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+        grid=(triton.cdiv(T, delta_bm), B * N), num_warps=4, num_stages=1,
+        T=T, N=N, HV=HV, HVP=statics["HVP"], BM=delta_bm,
+    )
+    dz_shape = (B, N, T, S) if bias is not None else (1,)
+    dq, dk, dv, dz = triton_call(
+        q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed),
+        dout.astype(q.dtype), lse, delta,
+        kernel=_bwd_kernel,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dz_shape, jnp.float32)),
+        grid=(triton.cdiv(S, cfg.block_n1) + triton.cdiv(T, cfg.block_m2), B * N),
+        num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+        BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, **statics,
+    )
+    dbias = None if bias is None else reduce_bias_grad(dz, bias.shape)
+    return dq, dk, dv, dbias
+
+
+def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):
+    del q_segment_ids, kv_segment_ids, dropout_seed
+    for name, a in (("q", q), ("k", k), ("v", v)) + ((("bias", bias),) if bias is not None else ()):
+        if a.dtype not in _DTYPES:
+            return f"{name} dtype {jnp.dtype(a.dtype).name} is not one of float32/bfloat16/float16"
+    H, HV = q.shape[3], v.shape[3]
+    if max(H, HV) > MAX_HEAD_DIM:
+        return f"head dims (H={H}, Hv={HV}) above {MAX_HEAD_DIM} are not supported"
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        return "empty q/k/v"
+    B, T, N, _ = q.shape
+    S, KH = k.shape[1], k.shape[2]
+    if B * N >= 65536:
+        return f"B*N={B * N} exceeds the grid's second axis (65535)"
+    pairs = B * N * T * S if bias is not None else (T * S if mask is not None else 0)
+    if max(B * T * N * max(H, HV), B * S * KH * max(H, HV), pairs) >= 2**31:
+        return "arrays with >= 2^31 elements (int32 tile offsets)"
+    return None
+
+
+ATTENTION = Implementation(
+    fn=differentiable_attention(AttentionKernels(forward=_forward, backward=_backward)),
+    platforms=("gpu",),
+    interpretable=True,
+    supports=_supports,
+)

@@ -1,0 +1,286 @@
+"""attention: every runnable backend against the materialised XLA reference.
+
+On CPU the Pallas backends run in their interpreters (FORGEAX_INTERPRET=1) and Triton in Triton's
+interpreter (its own target, attention_triton_interpret_test); shapes stay small there. On a GPU
+the same file runs the real kernels at the long shapes too (T, S = 1000 and 4096).
+
+A backend that does not implement a feature refuses it through supports(): the test then skips
+with that reason (visible in the report), it never compares wrong numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import conformance
+from forgeax import ops
+from forgeax.ops import interface
+
+BACKENDS = [b for b in conformance.runnable_backends("attention") if b != "xla"]
+ON_CPU = interface.current_platform() == "cpu"
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+# Attention sums over S keys; a kernel rounds p to the input dtype for the second matmul (as
+# FlashAttention does), so half precision gets the looser bound used across the literature.
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 5e-3}
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _qkv(B, T, S, N, K, H, dtype, seed, Hv=None):
+    rng = _rng(seed)
+    cast = lambda a: jnp.asarray(a.astype(np.float32)).astype(dtype)
+    return (
+        cast(rng.standard_normal((B, T, N, H))),
+        cast(rng.standard_normal((B, S, K, H))),
+        cast(rng.standard_normal((B, S, K, Hv or H))),
+    )
+
+
+def _attention_with_bias(q, k, v, bias, *, backend, **kwargs):
+    return ops.attention(q, k, v, bias=bias, backend=backend, **kwargs)
+
+
+def _check(backend, args, kwargs, *, seed=0):
+    """conformance.assert_conforms, skipping (with the backend's reason) what it refuses."""
+    with_bias = len(args) == 4
+    public = _attention_with_bias if with_bias else ops.attention
+    case = conformance.Case(
+        f"attention{tuple(args[0].shape)}x{tuple(args[1].shape)}", public,
+        functools.partial(public, backend="xla"), tuple(args), kwargs, diff_argnums=tuple(range(len(args))),
+    )
+    try:
+        return conformance.assert_conforms(case, backend, tolerance=TOLERANCE[case.dtype], seed=seed)
+    except interface.UnsupportedError as e:
+        pytest.skip(f"{backend}: {e}")
+
+
+# ---------------------------------------------------------------- shapes, masks, dtypes
+
+SHAPES = [(1, 1), (17, 17), (128, 128), (17, 128), (128, 17), (1000, 1000), (4096, 4096), (1000, 4096)]
+
+
+def _too_big_here(backend, T, S):
+    """The interpreters cannot afford T * S of a few million on a 2-core CPU; the GPU runs them all."""
+    return ON_CPU and T * S > (1000 * 1000 if backend == "xla_chunked" else 128 * 128)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("T,S", SHAPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shapes_match_reference(backend, T, S, causal):
+    if _too_big_here(backend, T, S):
+        pytest.skip(f"T={T} S={S}: GPU only (interpreter on CPU)")
+    args = _qkv(1 if T * S > 10**6 else 2, T, S, 4, 2, 64, jnp.bfloat16, seed=T + 3 * S + causal)
+    _check(backend, args, dict(causal=causal))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [64, 128, 256])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtypes_and_head_dims(backend, H, dtype):
+    if ON_CPU and H == 256 and dtype != "bf16":
+        pytest.skip("head_dim 256 in bf16 only on CPU (interpreter time)")
+    args = _qkv(1, 128, 128, 2, 1, H, DTYPES[dtype], seed=H)
+    _check(backend, args, dict(causal=True))
+
+
+@pytest.mark.parametrize("Hv", [32, 128])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_head_dim_may_differ(backend, Hv):
+    _check(backend, _qkv(1, 64, 80, 4, 2, 64, jnp.bfloat16, seed=Hv, Hv=Hv), dict(causal=True))
+
+
+@pytest.mark.parametrize("N,K", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_query_attention(backend, N, K):
+    _check(backend, _qkv(2, 64, 96, N, K, 64, jnp.bfloat16, seed=N * K), dict(causal=True))
+
+
+def _segments(B, L, seed, *, empty_id=None):
+    """Random packed layout: sorted runs of ids, some segments absent from the other side."""
+    rng = _rng(seed)
+    ids = np.sort(rng.integers(0, 4, (B, L)), axis=1).astype(np.int32)
+    if empty_id is not None:
+        ids[ids == empty_id] = 9  # q side has segment 9 that kv never has -> fully masked rows
+    return jnp.asarray(ids)
+
+
+def _features(B, T, S, N, seed):
+    rng = _rng(seed)
+    return {
+        "causal": dict(causal=True),
+        "window": dict(window=(13, 5)),
+        "window_causal": dict(window=(20, 0), causal=True),
+        "window_left_only": dict(window=(7, None)),
+        "soft_cap": dict(logit_soft_cap=5.0, scale=0.5),
+        "segments": dict(segment_ids=(_segments(B, T, seed, empty_id=1), _segments(B, S, seed + 1))),
+        "mask": dict(mask=jnp.asarray(rng.random((B, 1, T, S)) < 0.7)),
+        "mask_per_head": dict(mask=jnp.asarray(rng.random((1, N, T, S)) < 0.5)),
+        "dropout": dict(dropout_rate=0.25, dropout_key=jax.random.key(seed)),
+        "combined": dict(
+            causal=True, window=(40, 0), logit_soft_cap=8.0,
+            segment_ids=(_segments(B, T, seed), _segments(B, S, seed + 2)),
+            mask=jnp.asarray(rng.random((B, N, T, S)) < 0.9),
+            dropout_rate=0.1, dropout_key=jax.random.key(seed + 1),
+        ),
+    }
+
+
+FEATURES = list(_features(1, 2, 2, 1, 0))
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("T,S", [(96, 96), (40, 130)], ids=["square", "T<S"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_features_match_reference(backend, T, S, feature):
+    B, N, K = 2, 4, 2
+    _check(backend, _qkv(B, T, S, N, K, 64, jnp.bfloat16, seed=T + S), _features(B, T, S, N, seed=T * S)[feature])
+
+
+@pytest.mark.parametrize("bias_shape", ["full", "shared_batch", "shared_heads"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bias_and_its_gradient(backend, bias_shape):
+    B, T, S, N, K = 2, 48, 72, 4, 2
+    shape = {"full": (B, N, T, S), "shared_batch": (1, N, T, S), "shared_heads": (B, 1, T, S)}[bias_shape]
+    bias = jnp.asarray(_rng(5).standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)
+    _check(backend, (*_qkv(B, T, S, N, K, 64, jnp.bfloat16, seed=7), bias), dict(causal=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_t_greater_than_s_aligns_last_query_to_last_key(backend):
+    # T > S with causal: the first T - S queries see no key at all (fully masked rows).
+    args = _qkv(1, 40, 24, 2, 2, 64, jnp.float32, seed=3)
+    out, _ = _check(backend, args, dict(causal=True))
+    assert float(jnp.abs(out[:, :16]).max()) == 0.0
+
+
+# ---------------------------------------------------------------- semantics every backend shares
+
+
+def _all_backends():
+    return ["xla", *BACKENDS]
+
+
+@pytest.mark.parametrize("backend", _all_backends())
+def test_fully_masked_rows_give_zero_output_zero_gradient_and_minus_inf_lse(backend):
+    B, T, S, N = 1, 32, 48, 2
+    q, k, v = _qkv(B, T, S, N, N, 64, jnp.float32, seed=11)
+    q_seg = jnp.zeros((B, T), jnp.int32).at[:, ::3].set(7)  # segment 7 exists only on the q side
+    kv_seg = jnp.zeros((B, S), jnp.int32)
+    kwargs = dict(segment_ids=(q_seg, kv_seg), return_lse=True, backend=backend)
+    try:
+        out, lse = ops.attention(q, k, v, **kwargs)
+    except interface.UnsupportedError as e:
+        pytest.skip(str(e))
+    dead = np.asarray(q_seg[0] == 7)
+    assert float(jnp.abs(out[:, dead]).max()) == 0.0
+    assert bool(jnp.all(lse[:, dead] == -jnp.inf)) and bool(jnp.all(jnp.isfinite(lse[:, ~dead])))
+    grads = jax.grad(lambda q, k, v: jnp.sum(ops.attention(q, k, v, **{**kwargs, "return_lse": False}) ** 2), (0, 1, 2))(q, k, v)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+    assert float(jnp.abs(grads[0][:, dead]).max()) == 0.0
+
+
+@pytest.mark.parametrize("backend", _all_backends())
+def test_lse_and_its_gradient_match_reference(backend):
+    q, k, v = _qkv(2, 33, 65, 4, 1, 64, jnp.float32, seed=13)
+    w = jnp.asarray(_rng(1).standard_normal((2, 33, 4)).astype(np.float32))
+
+    def loss(q, k, v, backend):
+        out, lse = ops.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+        return jnp.sum(out) * 0.1 + jnp.sum(lse * w)
+
+    try:
+        got = jax.jit(jax.value_and_grad(functools.partial(loss, backend=backend), (0, 1, 2)))(q, k, v)
+    except interface.UnsupportedError as e:
+        pytest.skip(str(e))
+    want = jax.value_and_grad(functools.partial(loss, backend="xla"), (0, 1, 2))(q, k, v)
+    assert conformance.relative_error(got[0], want[0]) < 1e-4
+    for g, r in zip(got[1], want[1]):
+        assert conformance.relative_error(g, r) < 1e-3
+
+
+@pytest.mark.parametrize("backend", _all_backends())
+def test_dropout_is_deterministic_given_the_key_and_drops_the_right_fraction(backend):
+    q, k, v = _qkv(1, 64, 64, 2, 2, 64, jnp.float32, seed=17)
+    run = lambda key: ops.attention(q, k, v, dropout_rate=0.5, dropout_key=key, backend=backend)
+    try:
+        a, b, c = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+    except interface.UnsupportedError as e:
+        pytest.skip(str(e))
+    assert bool(jnp.all(a == b)) and not bool(jnp.all(a == c))
+    # The keep-mask is the contract's hash: compare its keep fraction (1 - rate) on this shape.
+    from forgeax.kernels.common.attention import dropout_keep_numpy
+    idx = np.meshgrid(np.arange(1), np.arange(2), np.arange(64), np.arange(64), indexing="ij")
+    assert abs(dropout_keep_numpy(12345, *idx, 2, 1 << 23).mean() - 0.5) < 0.02
+
+
+@pytest.mark.parametrize("backend", _all_backends())
+def test_jit_grad_vmap_checkpoint(backend):
+    B, T, S, N, K = 3, 40, 56, 4, 2
+    q, k, v = _qkv(B, T, S, N, K, 64, jnp.float32, seed=19)
+    bias = jnp.asarray(_rng(2).standard_normal((1, N, T, S)).astype(np.float32))
+
+    def loss(backend, q, k, v, bias):
+        out = ops.attention(q[None], k[None], v[None], bias=bias, causal=True, backend=backend)
+        return jnp.sum(jnp.sin(out))
+
+    def batched(backend):
+        fn = jax.checkpoint(functools.partial(loss, backend))
+        return jax.jit(jax.vmap(jax.value_and_grad(fn, (0, 1, 2, 3)), in_axes=(0, 0, 0, None)))(q, k, v, bias)
+
+    try:
+        got = batched(backend)
+    except interface.UnsupportedError as e:
+        pytest.skip(str(e))
+    want = batched("xla")
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert conformance.relative_error(g, r) < 1e-4
+    # Extra leading batch dims go through the op directly too.
+    q5, k5, v5 = (a.reshape((1,) + a.shape) for a in (q, k, v))
+    got = ops.attention(q5, k5, v5, causal=True, backend=backend)
+    assert conformance.relative_error(got[0], ops.attention(q, k, v, causal=True)) < 1e-4
+
+
+def test_selection_on_this_platform():
+    q, k, v = _qkv(1, 16, 16, 2, 2, 64, jnp.float32, seed=0)
+    chosen = ops.explain(lambda q, k, v: ops.attention(q, k, v, causal=True), q, k, v).backends()
+    if ON_CPU:
+        assert chosen == ("xla",)
+    else:
+        assert chosen[0] in ("pallas_gpu", "triton", "xla")
+
+
+def test_bad_inputs_raise_errors_that_name_the_argument():
+    q, k, v = _qkv(2, 16, 24, 4, 2, 64, jnp.float32, seed=0)
+    bad = [
+        ("k", dict(k=k[:1])),  # batch mismatch
+        ("k", dict(k=k[..., :32])),  # head_dim mismatch
+        ("k", dict(k=_qkv(2, 16, 24, 4, 3, 64, jnp.float32, 0)[1], v=_qkv(2, 16, 24, 4, 3, 64, jnp.float32, 0)[2])),
+        ("v", dict(v=v[:, :20])),
+        ("q, k, v", dict(q=q.astype(jnp.bfloat16))),
+        ("window", dict(window=(-1, 0))),
+        ("window", dict(window=3)),
+        ("dropout_key", dict(dropout_rate=0.1)),
+        ("dropout_rate", dict(dropout_rate=1.0, dropout_key=jax.random.key(0))),
+        ("scale", dict(scale=-1.0)),
+        ("logit_soft_cap", dict(logit_soft_cap=0.0)),
+        ("bias", dict(bias=jnp.zeros((2, 4, 16, 23)))),
+        ("mask", dict(mask=jnp.ones((2, 4, 16, 24), jnp.float32))),
+        ("segment_ids[1]", dict(segment_ids=(jnp.zeros((2, 16), jnp.int32), jnp.zeros((2, 16), jnp.int32)))),
+        ("segment_ids[0]", dict(segment_ids=(jnp.zeros((2, 16)), jnp.zeros((2, 24), jnp.int32)))),
+    ]
+    for name, change in bad:
+        args = dict(q=q, k=k, v=v)
+        args.update({key: change.pop(key) for key in ("q", "k", "v") if key in change})
+        with pytest.raises((ValueError, TypeError), match="^" + re.escape(name)):
+            ops.attention(args["q"], args["k"], args["v"], **change)
+    with pytest.raises(ValueError, match="^backend: unknown backend"):
+        ops.attention(q, k, v, backend="no_such_backend")
