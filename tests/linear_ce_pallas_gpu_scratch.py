@@ -30,6 +30,13 @@ if "fused_matmul" not in {f.name for f in chunked.dataclasses.fields(chunked.Chu
     chunked._logits = _logits
 
 
+# LCE_CONFIG="warpgroups,block_n,stages" picks the kernel tiling.
+if os.environ.get("LCE_CONFIG"):
+    _w, _n, _s = map(int, os.environ["LCE_CONFIG"].split(","))
+    gpu_lce.CONFIG = gpu_lce.Config(warpgroups=_w, block_n=_n, stages=_s)
+print("config:", gpu_lce.CONFIG, flush=True)
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

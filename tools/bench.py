@@ -52,6 +52,8 @@ class Timing:
     note: str = ""
     # Temporary bytes of the compiled call (XLA's memory analysis), None where unavailable.
     temp_bytes: float | None = None
+    # Ratio to the spec's main anchor (e.g. cuDNN for attention) timed in the same rounds.
+    speedup_vs_anchor: float | None = None
 
 
 def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float]:
@@ -98,36 +100,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shapes = [s for s in spec.shapes if (args.shape and s.name in args.shape) or (not args.shape and (platform != "cpu" or s.small))]
         for shape in shapes:
             inputs = spec.make_inputs(shape, jax.random.key(0))
+            options = {**spec.options, **dict(shape.options)}
             for mode in args.mode:
                 nbytes, flops = spec.floor(shape, mode)
                 floor_s = nbytes / ceiling
-                row: list[Timing] = []
-                for backend in backends:
-                    impl = interface.OPS[op_name].implementation(backend)
-                    why = impl if isinstance(impl, str) else impl.why_not(platform, inputs[:-1], spec.options)
-                    if why is not None:
-                        print(f"  skip {op_name} {shape.name} {mode} {backend}: {why}", flush=True)
-                        continue
+                candidates = [(b, None) for b in backends] + [(f"anchor:{a}", build) for a, build in spec.anchors.items()]
+                fns = {}
+                for name, anchor_build in candidates:
+                    if anchor_build is None and spec.precheck:
+                        impl = interface.OPS[op_name].implementation(name)
+                        why = impl if isinstance(impl, str) else impl.why_not(platform, inputs[:-1], options)
+                        if why is not None:
+                            print(f"  skip {op_name} {shape.name} {mode} {name}: {why}", flush=True)
+                            continue
                     try:
-                        fn = spec.build(backend, mode)
+                        fn = anchor_build(mode, options) if anchor_build else spec.build(name, mode, options)
                         temp = temp_bytes(fn, inputs)
-                        rounds = time_call(fn, inputs, calls=args.calls, reps=args.reps)
+                        time_call(fn, inputs, calls=1, reps=1)  # compile + warm up
+                        fns[name] = (fn, temp)
+                    except interface.UnsupportedError as e:
+                        print(f"  skip {op_name} {shape.name} {mode} {name}: {e}", flush=True)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
-                        print(f"  FAIL {op_name} {shape.name} {mode} {backend}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                        continue
-                    med = statistics.median(rounds)
-                    row.append(Timing(op_name, shape.name, shape.dims, shape.dtype, mode, backend, med * 1e3,
-                                      (min(rounds) * 1e3, max(rounds) * 1e3), nbytes, flops, nbytes / med / 1e12,
+                        print(f"  FAIL {op_name} {shape.name} {mode} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                # Interleaved rounds (A B C A B C ...): drift of clocks/thermals hits every candidate alike.
+                rounds = {name: [] for name in fns}
+                for _ in range(args.reps):
+                    for name, (fn, _) in fns.items():
+                        rounds[name] += time_call(fn, inputs, calls=args.calls, reps=1, warmup=0)
+                row: list[Timing] = []
+                for name, (fn, temp) in fns.items():
+                    med = statistics.median(rounds[name])
+                    row.append(Timing(op_name, shape.name, shape.dims, shape.dtype, mode, name, med * 1e3,
+                                      (min(rounds[name]) * 1e3, max(rounds[name]) * 1e3), nbytes, flops, nbytes / med / 1e12,
                                       flops / med / 1e12, floor_s / med, temp_bytes=temp))
+                    print(f"  {op_name} {shape.name} {mode} {name}: {med * 1e3:.4f} ms"
+                          + (f" {flops / med / 1e12:.0f} TFLOP/s" if flops else f" {nbytes / med / 1e9:.0f} GB/s"), flush=True)
                 xla = next((t for t in row if t.backend == "xla"), None)
-                results += [dataclasses.replace(t, speedup_vs_xla=(xla.median_ms / t.median_ms) if xla else None) for t in row]
+                anchor = next((t for t in row if t.backend == f"anchor:{spec.main_anchor}"), None)
+                results += [dataclasses.replace(t, speedup_vs_xla=(xla.median_ms / t.median_ms) if xla else None,
+                                                speedup_vs_anchor=(anchor.median_ms / t.median_ms) if anchor else None) for t in row]
+                del fns  # free the executables' buffers before the next shape
     return {
         "device": device.device_kind,
         "platform": platform,
         "host": host_platform.node(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None, **_optional_versions()},
-        "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median per-call time over rounds"},
+        "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median per-call time over rounds; rounds interleaved across backends and anchors"},
         "copy_ceiling_tb_per_s": ceiling / 1e12,
         "results": [dataclasses.asdict(t) for t in results],
     }
@@ -152,12 +171,13 @@ def print_table(report: dict[str, Any]) -> None:
             print(r)
         return
     table = Table(title=f"{report['device']}: copy ceiling {report['copy_ceiling_tb_per_s'] * 1e3:.0f} GB/s")
-    for col in ("op", "shape", "dtype", "mode", "backend", "ms", "GB/s", "TFLOP/s", "of floor", "vs xla", "temp GB"):
+    for col in ("op", "shape", "dtype", "mode", "backend", "ms", "GB/s", "TFLOP/s", "of floor", "vs xla", "vs anchor", "temp GB"):
         table.add_column(col, justify="right" if col not in ("op", "shape", "backend", "mode", "dtype") else "left")
     for r in report["results"]:
         table.add_row(r["op"], f"{r['shape']} {list(r['dims'])}", r["dtype"], r["mode"], r["backend"], f"{r['median_ms']:.4f}",
                       f"{r['tb_per_s'] * 1e3:.0f}", f"{r['tflop_per_s']:.1f}" if r["flops"] else "-", f"{r['fraction_of_floor']:.0%}",
                       f"{r['speedup_vs_xla']:.2f}x" if r["speedup_vs_xla"] else "-",
+                      f"{r['speedup_vs_anchor']:.2f}x" if r.get("speedup_vs_anchor") else "-",
                       f"{r['temp_bytes'] / 1e9:.3f}" if r.get("temp_bytes") is not None else "-")
     Console(width=200).print(table)
 

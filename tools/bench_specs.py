@@ -25,6 +25,8 @@ class Shape:
     dims: tuple[int, ...]
     dtype: str
     small: bool = False  # cheap enough for the CPU default run
+    # Keyword options of this shape's calls (e.g. causal, window), merged over Spec.options.
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +34,18 @@ class Spec:
     op: str
     shapes: tuple[Shape, ...]
     make_inputs: Callable[[Shape, jax.Array], tuple[Any, ...]]
-    # (backend, mode) -> jitted function of the inputs
-    build: Callable[[str, str], Callable[..., Any]]
+    # (backend, mode, options) -> jitted function of the inputs
+    build: Callable[[str, str, dict[str, Any]], Callable[..., Any]]
     # (shape, mode) -> (bytes, flops) the call must move / compute at minimum
     floor: Callable[[Shape, str], tuple[float, float]]
     # Keyword options every call passes (also given to each backend's supports()).
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Implementations users reach for today, timed in the same rounds: name -> (mode, options) -> fn.
+    anchors: dict[str, Callable[[str, dict[str, Any]], Callable[..., Any]]] = dataclasses.field(default_factory=dict)
+    main_anchor: str | None = None  # the anchor the issue's targets are ratios against
+    # Whether the public arguments are the backends' arguments (then supports() is asked first;
+    # otherwise an UnsupportedError from the call says it).
+    precheck: bool = True
 
 
 def _passes_floor(*, fwd: int, fwd_bwd: int) -> Callable[[Shape, str], tuple[float, float]]:
@@ -69,7 +77,7 @@ def _norm_spec(op_name: str, public: Callable[..., Any], has_offset: bool) -> Sp
         offset = 0.1 * jax.random.normal(ko, shape.dims[-1:], jnp.float32)
         return (x, scale, offset, dy) if has_offset else (x, scale, dy)
 
-    def build(backend: str, mode: str) -> Callable[..., Any]:
+    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         fn = functools.partial(public, backend=backend, eps=NORM_EPS)
         if mode == "fwd":
             return jax.jit(lambda *a: fn(*a[:-1]))
@@ -103,7 +111,7 @@ def _cross_entropy_spec() -> Spec:
         targets = jax.random.randint(kt, shape.dims[:-1], 0, shape.dims[-1], jnp.int32)
         return logits, targets, jnp.float32(1.0)  # last: the cotangent of the mean loss
 
-    def build(backend: str, mode: str) -> Callable[..., Any]:
+    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         fn = functools.partial(ops.cross_entropy, backend=backend)
         if mode == "fwd":
             return jax.jit(lambda logits, targets, ct: fn(logits, targets))
@@ -136,7 +144,7 @@ def _linear_cross_entropy_spec() -> Spec:
         targets = jax.random.randint(kt, (n,), 0, v, jnp.int32)
         return x, w, targets, jnp.float32(1.0)  # last: the cotangent of the mean loss
 
-    def build(backend: str, mode: str) -> Callable[..., Any]:
+    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         fn = functools.partial(ops.linear_cross_entropy, backend=backend)
         if mode == "fwd":
             return jax.jit(lambda x, w, targets, ct: fn(x, w, targets))
@@ -155,7 +163,98 @@ def _linear_cross_entropy_spec() -> Spec:
         passes = 1 if mode == "fwd" else 2
         return passes * (n * h + h * v) * itemsize, (1 if mode == "fwd" else 3) * 2.0 * n * h * v
 
-    return Spec("linear_cross_entropy", shapes, make_inputs, build, floor)
+    def materialised_bf16(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        # What users write in plain JAX: logits = x @ W in the weight's dtype (f32 accumulation,
+        # rounded once), then the XLA cross-entropy over them (f32 inside its fusions).
+        def loss(x, w, targets):
+            return ops.cross_entropy(jnp.dot(x, w), targets, backend="xla")
+
+        if mode == "fwd":
+            return jax.jit(lambda x, w, targets, ct: loss(x, w, targets))
+
+        def fwd_bwd(x, w, targets, ct):
+            value, pullback = jax.vjp(lambda a, b: loss(a, b, targets), x, w)
+            return (value,) + pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    return Spec("linear_cross_entropy", shapes, make_inputs, build, floor,
+                anchors={"xla_materialised": materialised_bf16}, main_anchor="xla_materialised")
 
 
 SPECS["linear_cross_entropy"] = _linear_cross_entropy_spec()
+
+
+def _attention_spec() -> Spec:
+    # dims: (B, T, N, K, H); S = T. Options per shape: the issue's report list.
+    shapes = (
+        Shape("causal B4 T4096 N32 H128", (4, 4096, 32, 32, 128), "bfloat16", options=(("causal", True),)),
+        Shape("full B4 T4096 N32 H128", (4, 4096, 32, 32, 128), "bfloat16"),
+        Shape("llama3-8b GQA B1 T8192 N32 KV8", (1, 8192, 32, 8, 128), "bfloat16", options=(("causal", True),)),
+        Shape("causal H64 B4 T4096 N32", (4, 4096, 32, 32, 64), "bfloat16", options=(("causal", True),)),
+        Shape("causal H256 B2 T4096 N16", (2, 4096, 16, 16, 256), "bfloat16", options=(("causal", True),)),
+        Shape("window 4096 causal B1 T16384 N32", (1, 16384, 32, 32, 128), "bfloat16",
+              options=(("causal", True), ("window", (4096, 0)))),
+        Shape("soft cap 50 causal B4 T4096 N32", (4, 4096, 32, 32, 128), "bfloat16",
+              options=(("causal", True), ("logit_soft_cap", 50.0))),
+        Shape("small causal f32", (1, 256, 4, 2, 64), "float32", small=True, options=(("causal", True),)),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        B, T, N, K, H = shape.dims
+        kq, kk, kv, kd = jax.random.split(key, 4)
+        normal = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(shape.dtype)
+        return normal(kq, (B, T, N, H)), normal(kk, (B, T, K, H)), normal(kv, (B, T, K, H)), normal(kd, (B, T, N, H))
+
+    def training_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+        if mode == "fwd":
+            return jax.jit(lambda q, k, v, do: fn(q, k, v))
+
+        def fwd_bwd(q, k, v, do):
+            out, pullback = jax.vjp(fn, q, k, v)
+            return (out,) + pullback(do)
+
+        return jax.jit(fwd_bwd)
+
+    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        return training_step(functools.partial(ops.attention, backend=backend, **options), mode)
+
+    def jax_nn(implementation: str) -> Callable[[str, dict[str, Any]], Callable[..., Any]]:
+        def anchor(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+            if options.get("logit_soft_cap") is not None:
+                raise interface_unsupported(f"jax.nn.dot_product_attention({implementation}) has no logit soft cap")
+            window = options.get("window")
+            fn = functools.partial(
+                jax.nn.dot_product_attention, is_causal=bool(options.get("causal")), implementation=implementation,
+                local_window_size=None if window is None else tuple(window),
+            )
+            return training_step(fn, mode)
+
+        return anchor
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        B, T, N, K, H = shape.dims
+        options = dict(shape.options)
+        itemsize = jnp.dtype(shape.dtype).itemsize
+        if options.get("window"):
+            pairs = sum(min(t + 1, options["window"][0] + 1) for t in range(T))
+        elif options.get("causal"):
+            pairs = T * (T + 1) / 2
+        else:
+            pairs = T * T
+        fwd_flops = 4.0 * B * N * H * pairs  # QK^T and PV
+        # Bytes: q, k, v, out (fwd); + do, dq, dk, dv and re-reading q, k, v, out (fwd+bwd).
+        tensors = 2 * (B * T * N * H) + 2 * (B * T * K * H)
+        return (tensors if mode == "fwd" else 3 * tensors) * itemsize, fwd_flops * (1 if mode == "fwd" else 3.5)
+
+    return Spec("attention", shapes, make_inputs, build, floor,
+                anchors={"cudnn": jax_nn("cudnn"), "jax_nn_xla": jax_nn("xla")}, main_anchor="cudnn", precheck=False)
+
+
+def interface_unsupported(message: str) -> Exception:
+    from forgeax.ops.interface import UnsupportedError
+
+    return UnsupportedError(message)
+
+
+SPECS["attention"] = _attention_spec()

@@ -11,7 +11,7 @@ the algorithm). This backend's ChunkKernels take the matmul operands of a chunk,
 
   `_stats_kernel`, grid (vocabulary splits S, row blocks of BM): each CTA owns
   BM rows and a contiguous run of BN-wide vocabulary tiles. Per tile it runs the
-  K = H loop (TMA ring of `_STAGES` slots -> wgmma into a BM x BN f32
+  K = H loop (TMA ring of `Config.stages` slots -> wgmma into a BM x BN f32
   accumulator), then folds the tile into per-row online statistics, in f32:
       l = round_to_matmul_dtype(acc + b)      (as x @ W would be stored)
       z = cap * tanh(l / cap)  (or l);        columns >= V masked out
@@ -62,12 +62,36 @@ from forgeax.kernels.xla import linear_cross_entropy as xla_lce
 from forgeax.ops.interface import Implementation, interpret_enabled
 
 _F32 = jnp.float32
-_BM = 128  # rows per CTA (one warpgroup, 128 x 128 f32 accumulator = 128 registers/thread)
-_BN = 128  # vocabulary columns per tile
+_WG_ROWS = 128  # rows per compute warpgroup (a 128 x 128 f32 accumulator = 128 registers/thread)
 _TK = 64  # K step: 64 bf16 = one 128-byte swizzled row
-_STAGES = 4  # TMA ring: 4 x (16 + 16) KiB + 32 KiB logits tile = 160 KiB SMEM
 _WAVES = 4  # aim for about this many CTAs per SM in the grid
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiling of the kernel (not tuned yet: to be measured on a GPU).
+
+    warpgroups: compute warpgroups per CTA, each owning 128 rows; they share
+      each W tile in SMEM (2: a 256 x block_n CTA tile, half the W traffic per
+      FLOP, as JAX's hopper matmul does with 128 x 256).
+    block_n: vocabulary columns per tile (64 or 128: the accumulator is
+      128 x block_n f32 per warpgroup).
+    stages: depth of the TMA ring. SMEM = stages * (128 * warpgroups + block_n)
+      * 64 * 2 B + warpgroups * 128 * block_n * 2 B (the logits tile):
+      1 wg, 128, 4 stages: 160 KiB; 2 wg, 128, 3 stages: 208 KiB (limit 227).
+    """
+
+    warpgroups: int = 1
+    block_n: int = 128
+    stages: int = 4
+
+    @property
+    def block_m(self) -> int:
+        return _WG_ROWS * self.warpgroups
+
+
+CONFIG = Config()  # read at trace time: assign another Config to try one
 
 
 def _interpret():
@@ -95,30 +119,35 @@ def _aligned(value, multiple):
     return value if isinstance(value, int) else pl.multiple_of(value, multiple)
 
 
-def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store):
-    """x [Cp, H], w [H, Vp], b [Vp] f32 or None, t [Cp] int32 (Cp % BM == 0, Vp % BN == 0)
+def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
+    """x [Cp, H], w [H, Vp], b [Vp] f32 or None, t [Cp] int32 (Cp % block_m == 0, Vp % block_n == 0)
     -> (stats [S, 4, Cp] f32: per-split (m, s, zt, zs); logits [Cp, Vp] in x.dtype or None)."""
     cp, h = x.shape
     vp = w.shape[1]
     dt = x.dtype
-    nk, tiles, row_blocks = h // _TK, vp // _BN, cp // _BM
+    wgs, bm, bn, stages = config.warpgroups, config.block_m, config.block_n, config.stages
+    nk, tiles, row_blocks = h // _TK, vp // bn, cp // bm
     splits = _splits(row_blocks, tiles)
     has_bias = b is not None
     swizzled = (plgpu.TilingTransform((8, _TK)), plgpu.SwizzleTransform(128))
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    def body(*refs):
-        x_g, w_g = refs[:2]
-        b_g = refs[2] if has_bias else None
-        t_g = refs[2 + has_bias]
-        outs = refs[3 + has_bias:]
-        stats_g, logits_g = outs[0], (outs[1] if store else None)
-        a_s, w_s, bar, t_s, t_bar, st_s = outs[1 + store:7 + store]
-        o_s = outs[7 + store] if store else None
-        bias_s, bias_bar = outs[-2:] if has_bias else (None, None)
+    def kernel(x_g, w_g, b_g, t_g, stats_g, logits_g, ring, small, extra):
+        a_s, w_s, loaded, consumed = ring
+        t_s, t_bar, st_s = small
+        o_s, bias_s, bias_bar = extra
+        wg = lax.axis_index("wg") if wgs > 1 else 0
+
+        def leader(fn):  # TMA issued once per CTA, by warpgroup 0
+            if wgs > 1:
+                pl.when(wg == 0)(fn)
+            else:
+                fn()
 
         split, rb = lax.axis_index("v"), lax.axis_index("m")
-        r0 = pl.multiple_of(rb * _BM, _BM)
-        rows = pl.ds(r0, _BM)
+        cta_rows = pl.ds(pl.multiple_of(rb * bm, bm), bm)
+        mine = pl.ds(wg * _WG_ROWS, _WG_ROWS)  # this warpgroup's rows inside the CTA block
+        my_rows = pl.ds(pl.multiple_of(rb * bm + wg * _WG_ROWS, _WG_ROWS), _WG_ROWS)
         tile0 = split * tiles // splits
         n_tiles = (split + 1) * tiles // splits - tile0
         total = n_tiles * nk  # flat (tile, k) steps of this CTA
@@ -126,66 +155,76 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store):
         def fetch(step, slot):
             tile, k = tile0 + step // nk, step % nk
             kk = pl.ds(_aligned(k * _TK, _TK), _TK)
-            cols = pl.ds(_aligned(tile * _BN, _BN), _BN)
-            plgpu.copy_gmem_to_smem(x_g.at[rows, kk], a_s.at[slot], bar.at[slot])
-            plgpu.copy_gmem_to_smem(w_g.at[kk, cols], w_s.at[slot], bar.at[slot])
+            cols = pl.ds(_aligned(tile * bn, bn), bn)
+            plgpu.copy_gmem_to_smem(x_g.at[cta_rows, kk], a_s.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(w_g.at[kk, cols], w_s.at[slot], loaded.at[slot])
 
-        plgpu.copy_gmem_to_smem(t_g.at[rows], t_s, t_bar)
-        for s in range(_STAGES):  # the prologue fills the ring (total >= 2 * nk >= 2)
+        @leader
+        def _():
+            plgpu.copy_gmem_to_smem(t_g.at[cta_rows], t_s, t_bar)
+            for s in range(stages):  # the prologue fills the ring
 
-            @pl.when(s < total)
-            def _():
-                fetch(s, s)
+                @pl.when(s < total)
+                def _():
+                    fetch(s, s)
 
         plgpu.barrier_wait(t_bar)
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        target = plgpu.load(t_s, layout=row_layout)
+        target = plgpu.load(t_s.at[mine], layout=row_layout)
 
         def full(value):
-            return plgpu.layout_cast(jnp.full((_BM,), value, _F32), row_layout)
+            return plgpu.layout_cast(jnp.full((_WG_ROWS,), value, _F32), row_layout)
 
         def tile_body(i, carry):
             m, s, zt, zs = carry
-            c0 = pl.multiple_of((tile0 + i) * _BN, _BN)
-            if has_bias:  # issued now, lands during the K loop (2 slots: the one of tile i-1 may still be read)
-                plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, _BN)], bias_s.at[i % 2], bias_bar.at[i % 2])
+            c0 = pl.multiple_of((tile0 + i) * bn, bn)
+            if has_bias:  # lands during the K loop; 2 slots, as slot i-1 was read just now
+                leader(lambda: plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, bn)], bias_s.at[i % 2], bias_bar.at[i % 2]))
 
             def mac(acc):
                 def step(k, _):
                     g = i * nk + k
-                    slot = lax.rem(g, _STAGES)
-                    plgpu.barrier_wait(bar.at[slot])
-                    plgpu.wgmma(acc, a_s.at[slot], w_s.at[slot])
+                    slot = lax.rem(g, stages)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    plgpu.wgmma(acc, a_s.at[slot].at[mine], w_s.at[slot])
                     plgpu.wgmma_wait(1)  # wgmma g-1 retired: its slot may be refilled
+                    prev = lax.rem(g - 1, stages)
 
-                    @pl.when((g >= 1) & (g - 1 + _STAGES < total))
+                    @pl.when((g >= 1) & (g - 1 + stages < total))
                     def _():
-                        fetch(g - 1 + _STAGES, lax.rem(g - 1, _STAGES))
+                        if wgs == 1:
+                            fetch(g - 1 + stages, prev)
+                        else:  # every warpgroup is done with the slot before warpgroup 0 refills it
+                            plgpu.barrier_arrive(consumed.at[prev])
+
+                            @pl.when(wg == 0)
+                            def _():
+                                plgpu.barrier_wait(consumed.at[prev])
+                                fetch(g - 1 + stages, prev)
 
                 lax.fori_loop(0, nk, step, None)
                 return acc[...]
 
-            acc = pl.run_scoped(mac, plgpu.ACC((_BM, _BN), _F32))
+            acc = pl.run_scoped(mac, plgpu.ACC((_WG_ROWS, bn), _F32))
             if has_bias:
                 plgpu.barrier_wait(bias_bar.at[i % 2])
-                bias = plgpu.load(bias_s.at[i % 2], layout=plgpu.Layout.WGMMA.reduce(0))
-                acc = acc + lax.broadcast_in_dim(bias, (_BM, _BN), (1,))
+                bias = plgpu.load(bias_s.at[i % 2], layout=col_layout)
+                acc = acc + lax.broadcast_in_dim(bias, (_WG_ROWS, bn), (1,))
             low = acc.astype(dt)  # the stored logits; the statistics see the same values
             if store:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_s
-                o_s[...] = low
+                o_s.at[wg][...] = low
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s, logits_g.at[rows, pl.ds(c0, _BN)])
+                plgpu.copy_smem_to_gmem(o_s.at[wg], logits_g.at[my_rows, pl.ds(c0, bn)])
             z = low.astype(_F32)
             if cap:
                 z = cap * jnp.tanh(z * (1.0 / cap))
-            col = plgpu.broadcasted_iota(jnp.int32, (_BM, _BN), 1, layout=plgpu.Layout.WGMMA) + c0
+            col = plgpu.broadcasted_iota(jnp.int32, (_WG_ROWS, bn), 1, layout=plgpu.Layout.WGMMA) + c0
             live = col < vocab
             zm = jnp.where(live, z, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(zm, axis=1))  # finite: every tile has a live column
-            p = jnp.exp(zm - lax.broadcast_in_dim(m_new, (_BM, _BN), (0,)))
+            p = jnp.exp(zm - lax.broadcast_in_dim(m_new, (_WG_ROWS, bn), (0,)))
             s = s * jnp.exp(m - m_new) + jnp.sum(p, axis=1)
-            hit = col == lax.broadcast_in_dim(target, (_BM, _BN), (0,))
+            hit = col == lax.broadcast_in_dim(target, (_WG_ROWS, bn), (0,))
             zt = zt + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
             if smoothing:
                 zs = zs + jnp.sum(jnp.where(live, z, 0.0), axis=1)
@@ -194,37 +233,46 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store):
         init = (full(-jnp.inf), full(0.0), full(0.0), full(0.0))
         results = lax.fori_loop(0, n_tiles, tile_body, init)
         for j, r in enumerate(results):
-            st_s.at[j][...] = r
+            st_s.at[wg, j][...] = r
         plgpu.commit_smem()
         for j in range(4):
-            plgpu.copy_smem_to_gmem(st_s.at[j], stats_g.at[split, j, rows])
+            plgpu.copy_smem_to_gmem(st_s.at[wg, j], stats_g.at[split, j, my_rows])
         plgpu.wait_smem_to_gmem(0)
+
+    ring = (
+        plgpu.SMEM((stages, bm, _TK), dt, transforms=swizzled),
+        plgpu.SMEM((stages, _TK, bn), dt, transforms=swizzled),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages) if wgs > 1 else None,
+    )
+    small = (plgpu.SMEM((bm,), jnp.int32), plgpu.Barrier(num_arrivals=1), plgpu.SMEM((wgs, 4, _WG_ROWS), _F32))
+    extra = (
+        plgpu.SMEM((wgs, _WG_ROWS, bn), dt, transforms=swizzled) if store else None,
+        plgpu.SMEM((2, bn), _F32) if has_bias else None,
+        plgpu.Barrier(num_arrivals=1, num_barriers=2) if has_bias else None,
+    )
+
+    def body(*refs):
+        x_g, w_g = refs[:2]
+        b_g = refs[2] if has_bias else None
+        t_g, stats_g = refs[2 + has_bias:4 + has_bias]
+        logits_g = refs[4 + has_bias] if store else None
+        collective = {"collective_axes": "wg"} if wgs > 1 else {}  # one allocation shared by the warpgroups
+        pl.run_scoped(lambda *s: kernel(x_g, w_g, b_g, t_g, stats_g, logits_g, *s), ring, small, extra, **collective)
 
     out_type = [jax.ShapeDtypeStruct((splits, 4, cp), _F32)]
     if store:
         out_type.append(jax.ShapeDtypeStruct((cp, vp), dt))
-    scratch = [
-        plgpu.SMEM((_STAGES, _BM, _TK), dt, transforms=swizzled),
-        plgpu.SMEM((_STAGES, _TK, _BN), dt, transforms=swizzled),
-        plgpu.Barrier(num_arrivals=2, num_barriers=_STAGES),
-        plgpu.SMEM((_BM,), jnp.int32),
-        plgpu.Barrier(num_arrivals=1),
-        plgpu.SMEM((4, _BM), _F32),
-    ]
-    if store:
-        scratch.append(plgpu.SMEM((_BM, _BN), dt, transforms=swizzled))
-    if has_bias:
-        scratch += [plgpu.SMEM((2, _BN), _F32), plgpu.Barrier(num_arrivals=1, num_barriers=2)]
-    args = (x, w) + ((b,) if has_bias else ()) + (t,)
+    threads = {"num_threads": wgs, "thread_name": "wg"} if wgs > 1 else {}
     outs = plgpu.kernel(
         body,
         out_type=tuple(out_type),
-        scratch_types=tuple(scratch),
         grid=(splits, row_blocks),  # row blocks fastest: CTAs running together share W tiles in L2
         grid_names=("v", "m"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret(),
-    )(*args)
+        **threads,
+    )(*((x, w) + ((b,) if has_bias else ()) + (t,)))
     return outs[0], (outs[1] if store else None)
 
 
@@ -235,7 +283,8 @@ def _fused_logits(operands, t, opts, store):
     """(loss [C], lse [C], logits [C, V] in the matmul dtype or None) of one chunk."""
     x, w, b = operands
     c, v = x.shape[0], w.shape[1]
-    cp, vp = -(-c // _BM) * _BM, -(-v // _BN) * _BN
+    config = CONFIG
+    cp, vp = -(-c // config.block_m) * config.block_m, -(-v // config.block_n) * config.block_n
     if cp != c:
         x = jnp.pad(x, ((0, cp - c), (0, 0)))
     tp = jnp.pad(t, (0, cp - c), constant_values=-1) if cp != c else t
@@ -244,7 +293,8 @@ def _fused_logits(operands, t, opts, store):
     if b is not None:
         b = jnp.pad(b.astype(_F32), (0, vp - v))
     stats, logits = _stats_call(
-        x, w.astype(x.dtype), b, tp, vocab=v, cap=opts.soft_cap, smoothing=opts.label_smoothing, store=store
+        x, w.astype(x.dtype), b, tp, vocab=v, cap=opts.soft_cap, smoothing=opts.label_smoothing, store=store,
+        config=config,
     )
     stats = stats[:, :, :c]
     m_s, s_s, zt, zs = stats[:, 0], stats[:, 1], jnp.sum(stats[:, 2], 0), jnp.sum(stats[:, 3], 0)
