@@ -30,7 +30,7 @@ add nothing to dk, dv, dbias). Per-row vectors (lse, D, q segment ids) are [.., 
 columns, kv segment ids a [B, 1, Sp] row, so the kernel never relayouts a vector.
 GQA: the k/v index_map reads kv head n // G. bias/mask tiles come from [Bb|1, Nb|1, Tp, Sp]
 by index_map (0 on a broadcast axis); mask travels as int8 (rows are 32-aligned for it).
-f16 inputs are computed as f32 (the TPU has no f16 MXU path); bf16 feeds the MXU in bf16
+f16 inputs (and an f16 bias) are computed as f32 (no f16 MXU path on TPU); bf16 feeds the MXU in bf16
 with f32 accumulation (p and dz are rounded to bf16 for their matmuls); f32 uses HIGHEST.
 
 Kernels:
@@ -129,13 +129,18 @@ class _Layout:
         return self.Sp // self.bk
 
 
+def _bias_dtype(bias):
+    return jnp.dtype(_F32 if bias.dtype == jnp.float16 else bias.dtype)
+
+
 def _layout(q, k, v, bias, mask, qseg, *, backward: bool) -> _Layout:
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
     dtype = jnp.dtype(_F32 if q.dtype == jnp.float16 else q.dtype)
     bq, bk = _INTERPRET_BLOCKS if interpret_enabled() else (_BWD_BLOCKS if backward else _FWD_BLOCKS)
     # Rows: 8 sublanes of 32 bits -> 16 rows of bf16, 32 of int8 (the mask tile).
-    align = 32 if mask is not None else (16 if dtype.itemsize == 2 else 8)
+    row_dtypes = [dtype] + ([] if bias is None else [_bias_dtype(bias)])
+    align = 32 if mask is not None else max(32 // jnp.dtype(d).itemsize for d in row_dtypes)
     bq = min(bq, _round_up(T, align))
     bk = min(bk, _round_up(S, 128))
     return _Layout(
@@ -179,9 +184,10 @@ def _scores(L: _Layout, spec: AttentionSpec, q, k, opt, b, n, i, j):
         z = spec.logit_soft_cap * th
     if opt.bias is not None:
         z = z + opt.bias[...].astype(_F32)
-    shape = (L.bq, L.bk)
-    t = i * L.bq + lax.broadcasted_iota(jnp.int32, shape, 0)
-    s = j * L.bk + lax.broadcasted_iota(jnp.int32, shape, 1)
+    # A (bq, 1) column of query and a (1, bk) row of key indices: the dropout hash's per-row
+    # round then runs on bq elements, not bq * bk.
+    t = i * L.bq + lax.broadcasted_iota(jnp.int32, (L.bq, 1), 0)
+    s = j * L.bk + lax.broadcasted_iota(jnp.int32, (1, L.bk), 1)
     allowed = []
     if L.Sp != L.S:
         allowed.append(s < L.S)
@@ -515,7 +521,7 @@ def _rows(a, L: _Layout, value=0.0):
 def _optional_inputs(L: _Layout, spec: AttentionSpec, bias, mask, qseg, kvseg, seed):
     extra = []
     if bias is not None:
-        extra.append(_pad_axis(_pad_axis(bias, 2, L.Tp), 3, L.Sp))
+        extra.append(_pad_axis(_pad_axis(bias.astype(_bias_dtype(bias)), 2, L.Tp), 3, L.Sp))
     if mask is not None:
         extra.append(_pad_axis(_pad_axis(mask.astype(jnp.int8), 2, L.Tp), 3, L.Sp))
     if L.segments:

@@ -1,0 +1,107 @@
+"""Vocabulary-parallel cross_entropy / linear_cross_entropy on every local GPU, against one device.
+
+    python benchmarks/vocab_parallel.py --out results.json      # on a machine with >= 2 GPUs
+
+Logits (8192, 128256) bf16 are split over the vocabulary across n devices (shard_map, axis "v");
+the mean loss and its gradient must equal the single-device call (checked here, printed, and
+recorded); both are timed with the method of tools/bench.py (median of interleaved rounds).
+The same for linear_cross_entropy with the weight split over V (x replicated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from bench import time_call  # noqa: E402
+
+from forgeax import ops  # noqa: E402
+
+
+def _rel(a, b) -> float:
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="-")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU check of the script)")
+    args = parser.parse_args()
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("v",), axis_types=(jax.sharding.AxisType.Auto,))
+    key = jax.random.key(0)
+    tokens, hidden, vocab = (64, 32, 1000) if args.small else (8192, 4096, 128256)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    logits = (3 * jax.random.normal(k1, (tokens, vocab), jnp.float32)).astype(jnp.bfloat16)
+    targets = jax.random.randint(k2, (tokens,), 0, vocab, jnp.int32).at[::7].set(-100)
+    x = jax.random.normal(k3, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k4, (hidden, vocab), jnp.float32) / hidden**0.5).astype(jnp.bfloat16)
+    options = dict(label_smoothing=0.1, z_loss=1e-4)
+    report = {"devices": [d.device_kind for d in devices], "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median, interleaved"}, "results": []}
+
+    def ce(backend, axis_name=None):
+        return lambda lg, t: ops.cross_entropy(lg, t, backend=backend, axis_name=axis_name, **options)
+
+    def lce(backend, axis_name=None):
+        return lambda a, b, t: ops.linear_cross_entropy(a, b, t, backend=backend, axis_name=axis_name, **options)
+
+    def sharded(loss, in_specs):
+        body = jax.shard_map(lambda *a: jax.value_and_grad(loss, argnums=tuple(range(len(a) - 1)))(*a),
+                             mesh=mesh, in_specs=in_specs, out_specs=(P(), tuple(s for s in in_specs[:-1])))
+        return jax.jit(body)
+
+    cases = {
+        "cross_entropy": dict(
+            single=jax.jit(jax.value_and_grad(ce(None), argnums=(0,))),
+            parallel=sharded(ce("xla", "v"), (P(None, "v"), P())),
+            args=(logits, targets),
+            shard=(NamedSharding(mesh, P(None, "v")), NamedSharding(mesh, P())),
+        ),
+        "linear_cross_entropy": dict(
+            single=jax.jit(jax.value_and_grad(lce(None), argnums=(0, 1))),
+            parallel=sharded(lce("xla_chunked", "v"), (P(), P(None, "v"), P())),
+            args=(x, w, targets),
+            shard=(NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "v")), NamedSharding(mesh, P())),
+        ),
+    }
+    for name, case in cases.items():
+        one = jax.device_put(case["args"], devices[0])
+        many = tuple(jax.device_put(a, s) for a, s in zip(case["args"], case["shard"]))
+        loss1, grads1 = case["single"](*one)
+        lossn, gradsn = case["parallel"](*many)
+        errors = {"loss_abs": float(abs(float(loss1) - float(lossn)))}
+        for i, (g1, gn) in enumerate(zip(grads1, gradsn)):
+            errors[f"grad{i}_rel"] = _rel(jax.device_get(gn), jax.device_get(g1))
+        times = {"single": [], "parallel": []}
+        for _ in range(args.reps):
+            times["single"] += time_call(case["single"], one, calls=args.calls, reps=1, warmup=1)
+            times["parallel"] += time_call(case["parallel"], many, calls=args.calls, reps=1, warmup=1)
+        row = {"op": name, "devices": n, "options": options, "loss_single": float(loss1), "loss_parallel": float(lossn), **errors,
+               "single_ms": statistics.median(times["single"]) * 1e3, "parallel_ms": statistics.median(times["parallel"]) * 1e3,
+               "single_backend": "default", "parallel_backend": "xla" if name == "cross_entropy" else "xla_chunked"}
+        print(json.dumps(row), flush=True)
+        report["results"].append(row)
+    if args.out != "-":
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
