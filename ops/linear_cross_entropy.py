@@ -20,6 +20,7 @@ LINEAR_CROSS_ENTROPY = define_op(
         "xla": "forgeax.kernels.xla.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
         "xla_chunked": "forgeax.kernels.xla.linear_cross_entropy:LINEAR_CROSS_ENTROPY_CHUNKED",
         "triton": "forgeax.kernels.triton.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
+        "pallas_gpu": "forgeax.kernels.pallas.gpu.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
         "pallas_tpu": "forgeax.kernels.pallas.tpu.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
     },
     _PRIORITY,
@@ -99,7 +100,7 @@ def linear_cross_entropy(
         efficiency), and the chunks are evened out to pad the fewest tokens.
         The reference ignores it.
       backend: None (best for this device), "xla" (materialises the logits),
-        "xla_chunked", "triton", "pallas_tpu" ("pallas" on a TPU), or a
+        "xla_chunked", "triton", "pallas_gpu", "pallas_tpu" ("pallas"), or a
         user-registered name.
 
     Returns:

@@ -97,6 +97,10 @@ class ChunkKernels:
     # False: the logits chunk is stored in the matmul dtype (bf16 for bf16 x and
     # W; f32 accumulation, bias added in f32, one rounding), half the bytes.
     f32_logits: bool = True
+    # True: the loop does not compute the logits; the kernels receive the tuple
+    # (x_c [C, H], W [H, V_local], b [V_local] or None) in place of `logits` and
+    # fuse the matmul themselves (the Mosaic GPU kernels).
+    fused_matmul: bool = False
 
 
 def _matmul_dtype(x, w):
@@ -104,6 +108,8 @@ def _matmul_dtype(x, w):
 
 
 def _logits(xc, w, b, opts):
+    if opts.kernels.fused_matmul:
+        return xc, w, b
     dt = _matmul_dtype(xc, w)
     out = jnp.float32 if opts.kernels.f32_logits or b is not None else dt
     z = lax.dot_general(xc.astype(dt), w.astype(dt), (((1,), (0,)), ((), ())), preferred_element_type=out)

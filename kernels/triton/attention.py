@@ -15,8 +15,9 @@ Dropout multiplies p by the keep mask in the `acc` update only (l, hence lse, is
 
 Block sparsity: `_key_blocks` turns the causal/window rule into [lo, hi) key bounds for a query
 block (blocks outside are never read) and an inner [full_lo, full_hi) of blocks every row may
-see entirely, which skip the position/tail masking (`MASKED=False`). `_query_blocks` is the same
-from a key block's side. Segment ids, the mask and the bias are data, applied on every tile.
+see entirely, which skip the position/tail masking (`MASKED=False`). `_query_blocks` gives the
+query bounds from a key block's side (the dK/dV loop masks every tile: see there why). Segment
+ids, the mask and the bias are data, applied on every tile.
 
 Backward: `_delta_kernel` computes D = rowsum(dout * out) - dlse, then ONE `_bwd_kernel` launch
 with grid (cdiv(S, BN1) + cdiv(T, BM2), B*N): the first programs of each (b, n) row do dK/dV for
@@ -28,9 +29,10 @@ per-query-head buffers and no extra XLA reduction. With a bias, the dQ half also
 dz = p (dp - D) (before the soft-cap factor) as f32 [B,N,T,S], zeros on skipped blocks;
 `reduce_bias_grad` sums it over the bias's broadcast axes.
 
-Head dims are padded to powers of two (>= 16) with masked loads; f32 inputs use IEEE dots (no
-TF32) so f32 results match the reference. Optional inputs are passed as 1-element dummies with a
-constexpr flag. Tunables are `AttentionConfig`s keyed by padded head dim and dtype width.
+Head dims are padded to powers of two (>= 16) with masked loads; f32 inputs use tf32x3 dots
+(see `_dot`) so f32 results meet the f32 tolerance. Optional inputs are passed as 1-element
+dummies with a constexpr flag. Tunables: `AttentionConfig`s keyed by padded head dim and dtype
+width (`config_for`).
 """
 
 from __future__ import annotations
@@ -63,9 +65,15 @@ _GOLDEN_BN, _GOLDEN_T, _GOLDEN_S = tl.constexpr(GOLDEN_BN), tl.constexpr(GOLDEN_
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:  # f32 inputs: full-precision products (tl.dot would use TF32)
-        return tl.dot(a, b, input_precision="ieee")
+def _dot(a, b, DOT: tl.constexpr):
+    """a @ b in f32. DOT: 0 native (16-bit inputs); 1 f32 inputs as 3 TF32 products (about f32
+    accuracy on tensor cores; plain tl.dot is 1 TF32 product, below the f32 tolerance); 2 the
+    interpreter: operands upcast to f32 first (Triton 3.6's interpreter multiplies the raw uint16
+    bit patterns of bf16 operands)."""
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="tf32x3")
+    if DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
 
 
@@ -173,22 +181,15 @@ def _key_blocks(m0, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, S: tl.c
 @triton.jit
 def _query_blocks(n0, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
                   LEFT: tl.constexpr, RIGHT: tl.constexpr):
-    """Query bounds for keys [n0, n0 + BN), as `_key_blocks` (rows >= T need no mask here:
-    their lse is +inf in the backward, so p = 0)."""
-    zero = n0 * 0
-    lo = zero
-    hi = zero + T
-    full_lo = zero
-    full_hi = zero + T + BM  # any bound >= T: the tail needs no position mask
+    """Query bounds [lo, hi) (lo a multiple of BM) for keys [n0, n0 + BN): the rows that may see
+    one of them under the position rule of `_key_blocks`."""
+    lo = n0 * 0
+    hi = lo + T
     if RIGHT >= 0:  # s <= t + S - T + RIGHT  <=>  t >= s - (S - T + RIGHT)
         lo = tl.maximum(n0 - (S - T + RIGHT), 0) // BM * BM
-        full_lo = (tl.maximum(n0 + (BN - 1 - S + T - RIGHT), 0) + BM - 1) // BM * BM
     if LEFT >= 0:  # s >= t + S - T - LEFT  <=>  t <= s - (S - T - LEFT)
         hi = tl.minimum(hi, n0 + (BN - S + T + LEFT))
-        full_hi = tl.maximum(n0 + (T - S + LEFT + 1), 0) // BM * BM
-    a = _clamp(full_lo, lo, hi)
-    c = _clamp(full_hi, a, hi)
-    return lo, a, c, hi
+    return lo, hi
 
 
 # ----------------------------------------------------------------------------- forward
@@ -201,13 +202,13 @@ def _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS
               LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
               BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
               HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, BN: tl.constexpr,
-              IEEE: tl.constexpr, MASKED: tl.constexpr):
+              DOT: tl.constexpr, MASKED: tl.constexpr):
     s = start + tl.arange(0, BN)
     hk = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
     kt_mask = (s[None, :] < S) & (hk[:, None] < H)
     kt = tl.load(K + k_base + s[None, :] * (KH * H) + hk[:, None], mask=kt_mask, other=0.0)
-    z, th = _logits2(_dot(q, kt, IEEE), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE,
+    z, th = _logits2(_dot(q, kt, DOT), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE,
                      CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
     m_new = tl.maximum(m_i, tl.max(z, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -218,7 +219,7 @@ def _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS
         p = tl.where(_keep(h_bn, t[:, None], s[None, :], THRESH), p, 0.0)
     v_mask = (s[:, None] < S) & (hv[None, :] < HV)
     vt = tl.load(V + v_base + s[:, None] * (KH * HV) + hv[None, :], mask=v_mask, other=0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, DOT)
     return acc, m_new, l_i
 
 
@@ -229,7 +230,7 @@ def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, O, LSE,
                 CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr,
                 MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
-                KEEP_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                KEEP_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM  # heaviest (last) query block first
     bn = tl.program_id(1)
     b = bn // N
@@ -252,15 +253,15 @@ def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, O, LSE,
     for start in range(lo, a, BN):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
                                   KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
-                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, IEEE, True)
+                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, DOT, True)
     for start in range(a, c, BN):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
                                   KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
-                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, IEEE, False)
+                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, DOT, False)
     for start in range(c, hi, BN):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
                                   KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
-                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, IEEE, True)
+                                  BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, BN, DOT, True)
     nonempty = l_i > 0.0
     inv = tl.where(nonempty, KEEP_SCALE / tl.where(nonempty, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
@@ -307,7 +308,7 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
                LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
                BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
                HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
-               BM: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+               BM: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
     """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]."""
     t = start + tl.arange(0, BM)
     h = tl.arange(0, HP)
@@ -317,20 +318,20 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
     do_base = b.to(tl.int64) * (T * N * HV) + n * HV
     do = tl.load(DO + do_base + t[:, None] * (N * HV) + hv[None, :], mask=(t[:, None] < T) & (hv[None, :] < HV), other=0.0)
     lse2, d = _row_stats(LSE, DELTA, (b * N + n).to(tl.int64) * T + t, t, T)
-    zt, tht = _logits2(_dot(k, qt, IEEE), t[None, :], s[:, None], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
+    zt, tht = _logits2(_dot(k, qt, DOT), t[None, :], s[:, None], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
                        LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
     pt = tl.math.exp2(zt - lse2[None, :])
-    dpt = _dot(v, tl.trans(do), IEEE)
+    dpt = _dot(v, tl.trans(do), DOT)
     if DROP:
         keep = _keep(h_bn, t[None, :], s[:, None], THRESH)
-        dv += _dot(tl.where(keep, pt * KEEP_SCALE, 0.0).to(do.dtype), do, IEEE)
+        dv += _dot(tl.where(keep, pt * KEEP_SCALE, 0.0).to(do.dtype), do, DOT)
         dpt = tl.where(keep, dpt * KEEP_SCALE, 0.0)
     else:
-        dv += _dot(pt.to(do.dtype), do, IEEE)
+        dv += _dot(pt.to(do.dtype), do, DOT)
     dzt = pt * (dpt - d[None, :])
     if CAP > 0:
         dzt = dzt * (1.0 - tht * tht)
-    dk += _dot(dzt.to(qt.dtype), tl.trans(qt), IEEE)
+    dk += _dot(dzt.to(qt.dtype), tl.trans(qt), DOT)
     return dk, dv
 
 
@@ -341,17 +342,17 @@ def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIA
              LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
              BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
              HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
-             BN: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+             BN: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
     """One key block's contribution to dq of a query block (and its dz tile when there is a bias)."""
     s = start + tl.arange(0, BN)
     h = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
     kt = tl.load(K + k_base + s[None, :] * (KH * H) + h[:, None], mask=(s[None, :] < S) & (h[:, None] < H), other=0.0)
     vt = tl.load(V + v_base + s[None, :] * (KH * HV) + hv[:, None], mask=(s[None, :] < S) & (hv[:, None] < HV), other=0.0)
-    z, th = _logits2(_dot(q, kt, IEEE), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
+    z, th = _logits2(_dot(q, kt, DOT), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
                      LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
     p = tl.math.exp2(z - lse2[:, None])
-    dp = _dot(do, vt, IEEE)
+    dp = _dot(do, vt, DOT)
     if DROP:
         dp = tl.where(_keep(h_bn, t[:, None], s[None, :], THRESH), dp * KEEP_SCALE, 0.0)
     dz = p * (dp - d[:, None])
@@ -360,7 +361,7 @@ def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIA
         tl.store(DZ + dz_base + t[:, None] * S + s[None, :], dz, mask=(t[:, None] < T) & (s[None, :] < S))
     if CAP > 0:
         dz = dz * (1.0 - th * th)
-    return dq + _dot(dz.to(kt.dtype), tl.trans(kt), IEEE)
+    return dq + _dot(dz.to(kt.dtype), tl.trans(kt), DOT)
 
 
 @triton.jit
@@ -371,7 +372,7 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, DO, LSE, DELTA, DQ, DK, 
                 BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr,
                 MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
                 KEEP_SCALE: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr,
-                BN2: tl.constexpr, IEEE: tl.constexpr):
+                BN2: tl.constexpr, DOT: tl.constexpr):
     G: tl.constexpr = N // KH
     pid = tl.program_id(0)
     bn = tl.program_id(1)
@@ -392,24 +393,18 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, DO, LSE, DELTA, DQ, DK, 
             v = tl.load(V + v_base + s[:, None] * (KH * HV) + hv[None, :], mask=v_mask, other=0.0)
             dk = tl.zeros([BN1, HP], dtype=tl.float32)
             dv = tl.zeros([BN1, HVP], dtype=tl.float32)
-            lo, a, c, hi = _query_blocks(pid * BN1, BM1, BN1, T, S, LEFT, RIGHT)
+            # One loop, every tile position-masked: with separate masked/unmasked loops over the
+            # same dk/dv accumulators ptxas serialises the wgmmas (C7515, seen at H=64 and 128).
+            lo, hi = _query_blocks(pid * BN1, BM1, BN1, T, S, LEFT, RIGHT)
             for g in range(G):
                 n = n0 + g
                 h_bn = 0
                 if DROP:
                     h_bn = _head_hash(SEED, b, n, N)
-                for start in range(lo, a, BM1):
+                for start in range(lo, hi, BM1):
                     dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
                                         T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN,
-                                        HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1, IEEE, True)
-                for start in range(a, c, BM1):
-                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
-                                        T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN,
-                                        HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1, IEEE, False)
-                for start in range(c, hi, BM1):
-                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
-                                        T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN,
-                                        HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1, IEEE, True)
+                                        HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1, DOT, True)
             tl.store(DK + k_base + s[:, None] * (KH * H) + h[None, :], (dk * SCALE).to(DK.dtype.element_ty), mask=k_mask)
             tl.store(DV + v_base + s[:, None] * (KH * HV) + hv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
     else:
@@ -430,15 +425,15 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, DO, LSE, DELTA, DQ, DK, 
         for start in range(lo, a, BN2):
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
-                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, IEEE, True)
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, True)
         for start in range(a, c, BN2):
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
-                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, IEEE, False)
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, False)
         for start in range(c, hi, BN2):
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
-                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, IEEE, True)
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, True)
         tl.store(DQ + q_base + t[:, None] * (N * H) + h[None, :], (dq * SCALE).to(DQ.dtype.element_ty), mask=q_mask)
         if HAS_BIAS:  # dz is 0 on the key blocks the bounds skipped
             dz_base = bn.to(tl.int64) * (T * S)
@@ -473,14 +468,16 @@ class AttentionConfig:
     bwd_stages: int
 
 
-# Keyed by (padded max(H, Hv) upper bound, bytes per element). H <= 128, 16-bit: the H200
-# measurements of notes/TRITON_JAX.md. H = 256 and f32: halved tiles so the shared memory
-# (q/k/v tiles x stages) stays under Hopper's 227 KB; not timed.
+# Keyed by (max(H, Hv) padded to 128 or 256, bytes per element). 16-bit, <= 128: the H200
+# measurements of notes/TRITON_JAX.md. The others were sized with ptxas -v (sm_90a) on CPU
+# cross-lowered PTX at B4 T4096 N32 causal, not timed: 16-bit 256 uses 164 KB (fwd) and 131 KB
+# (bwd) of shared memory, no spills; f32 (tf32x3 dots) 128 spills 76 B (fwd) / 152 B (bwd). f32
+# at 256 spilled 2-40 KB in every config tried, so `_supports` refuses it on GPU.
 _CONFIGS = {
     (128, 2): AttentionConfig(128, 128, 8, 3, 64, 128, 128, 64, 8, 3),
-    (256, 2): AttentionConfig(64, 64, 4, 3, 32, 64, 64, 32, 4, 2),
-    (128, 4): AttentionConfig(64, 64, 4, 3, 32, 64, 64, 32, 4, 2),
-    (256, 4): AttentionConfig(64, 32, 4, 2, 16, 32, 32, 16, 4, 1),
+    (256, 2): AttentionConfig(64, 64, 8, 2, 32, 64, 64, 32, 8, 2),
+    (128, 4): AttentionConfig(64, 32, 4, 2, 32, 32, 32, 32, 8, 2),
+    (256, 4): AttentionConfig(32, 32, 4, 2, 16, 32, 32, 16, 8, 2),  # refused on GPU (spills)
 }
 # The interpreter pays per block operation; small, unequal tiles still exercise the block bounds.
 _INTERPRET_CONFIG = AttentionConfig(32, 16, 4, 1, 16, 32, 32, 16, 4, 1)
@@ -514,7 +511,7 @@ def _statics(q, k, v, bias, mask, qseg, spec: AttentionSpec) -> dict:
         HAS_BIAS=bias is not None, BIAS_SB=bias_sb, BIAS_SN=bias_sn,
         HAS_MASK=mask is not None, MASK_SB=mask_sb, MASK_SN=mask_sn, HAS_SEG=qseg is not None,
         DROP=rate > 0, THRESH=int(spec.dropout_threshold), KEEP_SCALE=float(1.0 / (1.0 - rate)),
-        IEEE=q.dtype == jnp.float32,
+        DOT=2 if interpret_enabled() else int(q.dtype == jnp.float32),
     )
 
 
@@ -581,6 +578,8 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     H, HV = q.shape[3], v.shape[3]
     if max(H, HV) > MAX_HEAD_DIM:
         return f"head dims (H={H}, Hv={HV}) above {MAX_HEAD_DIM} are not supported"
+    if q.dtype == jnp.float32 and max(H, HV) > 128 and not interpret_enabled():
+        return f"float32 with head dims (H={H}, Hv={HV}) above 128 spills registers heavily; use bf16/f16"
     if 0 in q.shape or 0 in k.shape or 0 in v.shape:
         return "empty q/k/v"
     B, T, N, _ = q.shape

@@ -1,18 +1,20 @@
 """Linear + cross-entropy on Hopper GPUs: a fused wgmma matmul + online-softmax Mosaic GPU kernel.
 
-NOT YET RUN ON A GPU: proven in Mosaic GPU's CPU interpreter (against the XLA
-reference) and by cross-lowering for cuda at the benchmark shape; numerics on
-the device and every timing still need a GPU (notes/MOSAIC_GPU.md §1, §10).
+Proven in Mosaic GPU's CPU interpreter (against the XLA reference) and by
+cross-lowering for cuda at the benchmark shape; the GPU conformance run and
+the benchmark (tools/bench.py) check it on the device.
 
 The chunk loop is kernels/common/linear_cross_entropy.py (its docstring has
 the algorithm). This backend's ChunkKernels take the matmul operands of a chunk,
 (x_c [C, H], W [H, V], b [V] or None), instead of its logits
 (`fused_matmul=True`), and compute the logits themselves, tile by tile:
 
-  `_stats_kernel`, grid (vocabulary splits S, row blocks of BM): each CTA owns
-  BM rows and a contiguous run of BN-wide vocabulary tiles. Per tile it runs the
-  K = H loop (TMA ring of `Config.stages` slots -> wgmma into a BM x BN f32
-  accumulator), then folds the tile into per-row online statistics, in f32:
+  `_stats_call`, one plgpu.kernel, grid (vocabulary splits S, row blocks of
+  BM = 128 x Config.warpgroups): each CTA owns BM rows (128 per compute
+  warpgroup; 2 warpgroups share each W tile in SMEM) and a contiguous run of
+  BN-wide vocabulary tiles. Per tile it runs the K = H loop (a TMA ring of
+  Config.stages slots -> wgmma into a 128 x BN f32 accumulator per
+  warpgroup), then folds the tile into per-row online statistics, in f32:
       l = round_to_matmul_dtype(acc + b)      (as x @ W would be stored)
       z = cap * tanh(l / cap)  (or l);        columns >= V masked out
       m = running max,  s = sum exp(z - m),  zt = z[target],  zs = sum z
@@ -43,13 +45,14 @@ Scope: x and W both bf16 or both f16, H a multiple of 64 (the wgmma K step);
 any V (W and b are zero-padded to a multiple of BN only when V is not one, and
 the padded columns are masked), any number of tokens (rows padded to BM with
 ignored targets), every option of the op except axis_name (refused).
+The grid has about 4 CTAs per SM (`_splits`); with 160-220 KiB of SMEM one CTA
+runs per SM at a time, so the epilogue (exp/tanh over the tile) does not
+overlap the tensor cores: that and the tiling (`Config`) are what to tune.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,7 @@ from forgeax.ops.interface import Implementation, interpret_enabled
 _F32 = jnp.float32
 _WG_ROWS = 128  # rows per compute warpgroup (a 128 x 128 f32 accumulator = 128 registers/thread)
 _TK = 64  # K step: 64 bf16 = one 128-byte swizzled row
+_SMEM_BYTES = 232448  # dynamic shared memory per CTA on Hopper
 _WAVES = 4  # aim for about this many CTAs per SM in the grid
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -74,7 +78,12 @@ class Config:
 
     warpgroups: compute warpgroups per CTA, each owning 128 rows; they share
       each W tile in SMEM (2: a 256 x block_n CTA tile, half the W traffic per
-      FLOP, as JAX's hopper matmul does with 128 x 256).
+      FLOP, as JAX's hopper matmul does with 128 x 256; warpgroup 0 refills a
+      ring slot once both have arrived on its `consumed` barrier).
+      EXPERIMENTAL: 2 passes 13 of the scratch cases in the interpreter but
+      hangs there at H=512 (and intermittently at H=128); not isolated whether
+      that is the interpreter on a 2-core box or a barrier bug. Keep 1 until
+      a GPU run clears it.
     block_n: vocabulary columns per tile (64 or 128: the accumulator is
       128 x block_n f32 per warpgroup).
     stages: depth of the TMA ring. SMEM = stages * (128 * warpgroups + block_n)
@@ -86,9 +95,20 @@ class Config:
     block_n: int = 128
     stages: int = 4
 
+    def __post_init__(self):
+        if self.warpgroups not in (1, 2) or self.block_n not in (64, 128) or self.stages < 2:
+            raise ValueError(f"unsupported {self}: warpgroups 1 or 2, block_n 64 or 128, stages >= 2")
+        if self.smem_bytes > _SMEM_BYTES:
+            raise ValueError(f"{self} needs {self.smem_bytes} B of shared memory (at most {_SMEM_BYTES})")
+
     @property
     def block_m(self) -> int:
         return _WG_ROWS * self.warpgroups
+
+    @property
+    def smem_bytes(self) -> int:  # about: the ring, the logits tile, bias slots, targets, statistics, barriers
+        ring = self.stages * (self.block_m + self.block_n) * _TK * 2
+        return ring + self.block_m * (self.block_n * 2 + 4 + 16) + self.warpgroups * 2 * self.block_n * 4 + 1024
 
 
 CONFIG = Config()  # read at trace time: assign another Config to try one
@@ -177,8 +197,10 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
         def tile_body(i, carry):
             m, s, zt, zs = carry
             c0 = pl.multiple_of((tile0 + i) * bn, bn)
-            if has_bias:  # lands during the K loop; 2 slots, as slot i-1 was read just now
-                leader(lambda: plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, bn)], bias_s.at[i % 2], bias_bar.at[i % 2]))
+            if has_bias:
+                # Lands during the K loop. Per warpgroup (the other one may be a tile behind),
+                # 2 slots: slot i-1 was read just now.
+                plgpu.copy_gmem_to_smem(b_g.at[pl.ds(c0, bn)], bias_s.at[wg, i % 2], bias_bar.at[wg * 2 + i % 2])
 
             def mac(acc):
                 def step(k, _):
@@ -206,8 +228,8 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
 
             acc = pl.run_scoped(mac, plgpu.ACC((_WG_ROWS, bn), _F32))
             if has_bias:
-                plgpu.barrier_wait(bias_bar.at[i % 2])
-                bias = plgpu.load(bias_s.at[i % 2], layout=col_layout)
+                plgpu.barrier_wait(bias_bar.at[wg * 2 + i % 2])
+                bias = plgpu.load(bias_s.at[wg, i % 2], layout=col_layout)
                 acc = acc + lax.broadcast_in_dim(bias, (_WG_ROWS, bn), (1,))
             low = acc.astype(dt)  # the stored logits; the statistics see the same values
             if store:
@@ -248,8 +270,8 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
     small = (plgpu.SMEM((bm,), jnp.int32), plgpu.Barrier(num_arrivals=1), plgpu.SMEM((wgs, 4, _WG_ROWS), _F32))
     extra = (
         plgpu.SMEM((wgs, _WG_ROWS, bn), dt, transforms=swizzled) if store else None,
-        plgpu.SMEM((2, bn), _F32) if has_bias else None,
-        plgpu.Barrier(num_arrivals=1, num_barriers=2) if has_bias else None,
+        plgpu.SMEM((wgs, 2, bn), _F32) if has_bias else None,
+        plgpu.Barrier(num_arrivals=1, num_barriers=2 * wgs) if has_bias else None,
     )
 
     def body(*refs):
@@ -311,32 +333,22 @@ def _fused_logits(operands, t, opts, store):
 
 
 def _loss(operands, t, opts):
-    if not isinstance(operands, tuple):  # a loop without `fused_matmul`: plain logits
-        return xla_lce.CHUNK_KERNELS.loss(operands, t, opts)
     return _fused_logits(operands, t, opts, store=False)[:2]
 
 
 def _loss_and_grad(operands, t, opts, dtype):
-    if not isinstance(operands, tuple):
-        return xla_lce.CHUNK_KERNELS.loss_and_grad(operands.astype(_F32), t, opts, dtype)
     loss, lse, logits = _fused_logits(operands, t, opts, store=True)
     # One XLA elementwise pass (the convert fuses into it): g from the stored logits.
     return loss, lse, xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, jnp.ones_like(lse), opts, dtype)
 
 
 def _grad(operands, t, lse, scale, opts, dtype):
-    if isinstance(operands, tuple):
-        operands = _fused_logits(operands, t, opts, store=True)[2]
-    return xla_lce.CHUNK_KERNELS.grad(operands.astype(_F32), t, lse, scale, opts, dtype)
+    logits = _fused_logits(operands, t, opts, store=True)[2]
+    return xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, scale, opts, dtype)
 
 
-def _chunk_kernels() -> chunked.ChunkKernels:
-    fields = {f.name for f in dataclasses.fields(chunked.ChunkKernels)}
-    extra = {"fused_matmul": True} if "fused_matmul" in fields else {}
-    return chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=False, **extra)
-
-
-CHUNK_KERNELS = _chunk_kernels()
+# The loop hands the kernels (x_c, W, b) instead of logits: the matmul happens inside them.
+CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=False, fused_matmul=True)
 
 
 def _supports(x, weight, targets, *, bias=None, axis_name=None, **options) -> str | None:
