@@ -133,7 +133,7 @@ def _pad_keys(chunk, S, *arrays_axis):
     return n, out
 
 
-def _chunked_forward(q, k, v, bias, mask, qseg, kvseg, seed, spec, chunk=None):
+def chunked_forward(q, k, v, bias, mask, qseg, kvseg, seed, spec, chunk=None):
     B, T, N, _ = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
@@ -170,7 +170,7 @@ def _chunked_forward(q, k, v, bias, mask, qseg, kvseg, seed, spec, chunk=None):
     return out, lse.reshape(B, N, T)
 
 
-def _chunked_backward(q, k, v, bias, mask, qseg, kvseg, seed, out, lse, dout, dlse, spec, chunk=None):
+def chunked_backward(q, k, v, bias, mask, qseg, kvseg, seed, out, lse, dout, dlse, spec, chunk=None):
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
@@ -213,7 +213,7 @@ def _chunked_backward(q, k, v, bias, mask, qseg, kvseg, seed, out, lse, dout, dl
     return dq.reshape(B, T, N, H), dk, dv, dbias
 
 
-chunked = differentiable_attention(AttentionKernels(forward=_chunked_forward, backward=_chunked_backward))
+chunked = differentiable_attention(AttentionKernels(forward=chunked_forward, backward=chunked_backward))
 
 ATTENTION = Implementation(fn=reference, platforms=("cpu", "gpu", "tpu"))
 ATTENTION_CHUNKED = Implementation(fn=chunked, platforms=("cpu", "gpu", "tpu"))

@@ -27,8 +27,11 @@ Backward (delta = rowsum(dout * out) - dlse and lse * log2(e) are plain jnp ops)
     dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
   * dQ kernel: one CTA = 128 query rows of one (b, n), consumers own 64 rows, the producer
     streams K/V blocks of 64 keys:  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
-  * H = 256 would need 256 accumulator registers per thread in dK/dV: its backward runs the
-    XLA chunked backward instead (the forward still uses the kernel).
+  * H = 256: dk + dv would need 256 accumulator registers per thread, so dK and dV would be two
+    launches of the same kernel (each recomputes pT), with 32-row query blocks and 32-key dQ
+    blocks (64-byte swizzle) to fit SMEM. That path cross-lowers but is UNVERIFIED (it did not
+    finish in interpret mode), so by default H = 256 runs XLA's chunked backward
+    (`_BWD_H256_KERNEL`); the forward uses the kernel.
 
 Interpret mode (FORGEAX_INTERPRET / interpret_mode()): the interpreter cannot run wgmma with a
 register LHS nor `run_state` with `ACC.init` (notes/MOSAIC_GPU.md §8), so there the 16-bit
@@ -49,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
-from forgeax.kernels.xla.attention import _chunked_backward
+from forgeax.kernels.xla.attention import chunked_backward
 from forgeax.ops.interface import Implementation, interpret_enabled
 
 _F32 = jnp.float32
@@ -61,6 +64,7 @@ _CTA = _ROWS * _WGS
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 256)
 _BWD_MAX_H = 128
+_BWD_H256_KERNEL = False  # see _backward
 _SMEM_BUDGET = 200 * 1024
 
 
@@ -68,8 +72,9 @@ def _i32(x):
     return jnp.asarray(x, jnp.int32)
 
 
-def _transforms(dtype):
-    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+def _transforms(dtype, swizzle=128):
+    # wgmma's K must be a multiple of swizzle / itemsize: 64-byte swizzle for 32-wide K blocks.
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _params():
@@ -167,6 +172,18 @@ class _Mma:
             plgpu.wgmma(acc_ref, a, b)
 
         return pl.run_state(update)(plgpu.ACC.init(acc))
+
+    def two(self, acc, a, b, a2, b2, shape2):
+        """(acc + a @ b, a2 @ b2) with a in registers: on the GPU both wgmmas are issued before
+        one wait (one wgmma.wait_group instead of two)."""
+        if self.interpret:
+            return self(a, b, acc.shape, acc=acc, a_in_regs=True), self(a2, b2, shape2)
+
+        def update(refs):
+            plgpu.wgmma(refs[0], a, b)
+            plgpu.wgmma(refs[1], a2, b2)
+
+        return pl.run_state(update)((plgpu.ACC.init(acc), plgpu.ACC.init(_zeros(shape2))))
 
 
 def _zeros(shape):
@@ -343,19 +360,23 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv(q, k, v, do, lse2, delta, spec):
-    """dk, dv [B, S, K, H]: one CTA per 128 keys of one (b, kv head), dk/dv in registers."""
+def _dkv(q, k, v, do, lse2, delta, spec, parts=("dk", "dv")):
+    """dk and/or dv [B, S, K, H] (`parts`): one CTA per 128 keys of one (b, kv head), the
+    accumulators in registers. H = 256 runs one part per launch (128 registers each) with
+    32-row query blocks (SMEM)."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G, dt = N // K, q.dtype
-    bq = 64
+    bq = 64 if H <= 128 else 32
+    want_dk, want_dv = "dk" in parts, "dv" in parts
     item = jnp.dtype(dt).itemsize
     stages = _stages(2 * bq * H * item + 2 * bq * 4, 2 * _CTA * H * item)
     band = _Band.keys_by_query(spec, T, S)
     interpret = interpret_enabled()
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-               k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+        outs, refs = refs[:len(parts)], refs[len(parts):]
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free = refs
         b, kh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         s0 = lax.axis_index("kv") * _CTA
         lo, full_lo, full_hi, hi = band.blocks(s0, _CTA, bq, T)
@@ -374,7 +395,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
 
             def head(g, carry):
                 def step(j, carry, masked):
-                    dk, dv = carry
+                    accs = dict(zip(parts, carry))
                     i = g * per_head + j - lo
                     slot = lax.rem(i, _i32(stages))
                     plgpu.barrier_wait(loaded.at[slot])
@@ -383,24 +404,31 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                     pt = jnp.exp2(st - _bcast(lse, st.shape, 1))
                     if masked:
                         pt = jnp.where(band.mask(keys, j * bq, st.shape), pt, 0.0)
-                    dv = mma(pt.astype(dt), do_smem.at[slot], (_ROWS, H), acc=dv, a_in_regs=True)
-                    dpt = mma(v_s, do_smem.at[slot].transpose((1, 0)), (_ROWS, bq))
-                    dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                    dst = pt * (dpt - _bcast(dl, st.shape, 1))
-                    if spec.logit_soft_cap is not None:
-                        dst = dst * _cap_grad(st, spec)
-                    dk = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=dk, a_in_regs=True)
+                    do_t = do_smem.at[slot].transpose((1, 0))
+                    if want_dv and want_dk:
+                        accs["dv"], dpt = mma.two(accs["dv"], pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
+                    elif want_dv:
+                        accs["dv"] = mma(pt.astype(dt), do_smem.at[slot], (_ROWS, H), acc=accs["dv"], a_in_regs=True)
+                    else:
+                        dpt = mma(v_s, do_t, (_ROWS, bq))
+                    if want_dk:
+                        dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        dst = pt * (dpt - _bcast(dl, st.shape, 1))
+                        if spec.logit_soft_cap is not None:
+                            dst = dst * _cap_grad(st, spec)
+                        accs["dk"] = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=accs["dk"], a_in_regs=True)
                     pl.when(i + stages < G * per_head)(lambda: plgpu.barrier_arrive(free.at[slot]))
-                    return dk, dv
+                    return tuple(accs[name] for name in parts)
 
                 return _three_loops(lo, full_lo, full_hi, hi, step, carry, band)
 
-            dk, dv = lax.fori_loop(0, G, head, (_zeros((_ROWS, H)), _zeros((_ROWS, H))))
-            k_s[...] = (dk * spec.scale).astype(dt)
-            v_s[...] = dv.astype(dt)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_s, dk_ref.at[gk])
-            plgpu.copy_smem_to_gmem(v_s, dv_ref.at[gk])
+            accs = lax.fori_loop(0, G, head, tuple(_zeros((_ROWS, H)) for _ in parts))
+            # The results go out through the K/V buffers (every wgmma reading them is done).
+            for name, acc, out_ref in zip(parts, accs, outs):
+                buf = k_s if name == "dk" else v_s
+                buf[...] = (acc * spec.scale if name == "dk" else acc).astype(dt)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(buf, out_ref.at[gk])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _WGS)
@@ -425,7 +453,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
 
             lax.fori_loop(0, G * per_head, load, None)
 
-    tr = _transforms(dt)
+    tr = _transforms(dt, 128 if H <= 128 else 64)
 
     def entry(*refs):
         scratch = [
@@ -447,7 +475,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
     kv_type = jax.ShapeDtypeStruct((B, S, K, H), dt)
     return plgpu.kernel(
         entry,
-        out_type=(kv_type, kv_type),
+        out_type=tuple(kv_type for _ in parts),
         grid=(K, S // _CTA, B),
         grid_names=("heads", "kv", "batch"),
         num_threads=_WGS + 1,
@@ -462,7 +490,7 @@ def _dq(q, k, v, do, lse2, delta, spec):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G, dt = N // K, q.dtype
-    bkv = 64
+    bkv = 64 if H <= 128 else 32  # H = 256: SMEM
     item = jnp.dtype(dt).itemsize
     stages = _stages(2 * bkv * H * item, 2 * _CTA * H * item)
     band = _Band.forward(spec, T, S)
@@ -531,7 +559,7 @@ def _dq(q, k, v, do, lse2, delta, spec):
 
             lax.fori_loop(0, steps, load, None)
 
-    tr = _transforms(dt)
+    tr = _transforms(dt, 128 if H <= 128 else 64)
 
     def entry(*refs):
         scratch = [
@@ -564,14 +592,21 @@ def _dq(q, k, v, do, lse2, delta, spec):
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
     H = q.shape[3]
-    if H > _BWD_MAX_H:  # dk + dv accumulators would not fit the register file (module docstring)
-        return _chunked_backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
-                                 out, lse, dout, dlse, spec)
+    if H > _BWD_MAX_H:
+        # The two-launch H = 256 kernel path below (`_BWD_H256_KERNEL`) cross-lowers but did not
+        # finish in interpret mode (unverified): XLA's chunked backward until it is checked.
+        if not _BWD_H256_KERNEL:
+            return chunked_backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
+                                     out, lse, dout, dlse, spec)
     delta = jnp.einsum("btnh,btnh->bnt", dout.astype(_F32), out.astype(_F32)) - dlse
     # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0.
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
     dout = dout.astype(q.dtype)
-    dk, dv = _dkv(q, k, v, dout, lse2, delta, spec)
+    if H <= _BWD_MAX_H:
+        dk, dv = _dkv(q, k, v, dout, lse2, delta, spec)
+    else:  # dk + dv would need 256 accumulator registers per thread: one launch each
+        (dk,) = _dkv(q, k, v, dout, lse2, delta, spec, parts=("dk",))
+        (dv,) = _dkv(q, k, v, dout, lse2, delta, spec, parts=("dv",))
     dq = _dq(q, k, v, dout, lse2, delta, spec)
     return dq, dk, dv, None
 
