@@ -11,9 +11,7 @@ Both implement the contract in `forgeax.kernels.common.attention` (math, masks, 
 
 from __future__ import annotations
 
-import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
