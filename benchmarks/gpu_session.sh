@@ -30,7 +30,7 @@ for group in "${GROUPS_[@]}"; do
   [ -z "${group// }" ] && continue
   i=$((i + 1))
   (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $n, 3))") \
-     timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$OUT/junit$i.xml" $group \
+     eval timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$OUT/junit$i.xml" "$group" \
      > "$OUT/tests$i.log" 2>&1; echo "group $i exit $?" >> "$OUT/tests$i.log") &
 done
 wait

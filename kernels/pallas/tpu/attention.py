@@ -141,8 +141,10 @@ def _layout(q, k, v, bias, mask, qseg, *, backward: bool) -> _Layout:
     # Rows: 8 sublanes of 32 bits -> 16 rows of bf16, 32 of int8 (the mask tile).
     row_dtypes = [dtype] + ([] if bias is None else [_bias_dtype(bias)])
     align = 32 if mask is not None else max(32 // jnp.dtype(d).itemsize for d in row_dtypes)
-    bq = min(bq, _round_up(T, align))
-    bk = min(bk, _round_up(S, 128))
+    # As many blocks as the cap needs, each as small as covers the sequence: padding stays
+    # under one alignment unit per block (T = 600 runs 2 blocks of 304, not 2 of 512).
+    bq = _round_up(pl.cdiv(T, pl.cdiv(T, bq)), align)
+    bk = _round_up(pl.cdiv(S, pl.cdiv(S, bk)), 128)
     return _Layout(
         B, T, S, N, K, H, Hv, bq, bk, dtype,
         None if bias is None else tuple(bias.shape[:2]),

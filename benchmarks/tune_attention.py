@@ -1,0 +1,106 @@
+"""Times variants of an attention backend's module constants against cuDNN, interleaved in one process.
+
+    python benchmarks/tune_attention.py --backend pallas_gpu \
+        --variant default --variant _SMEM_BUDGET=232448 --out tune.json
+
+Each variant sets module-level constants of forgeax.kernels.<backend path>.attention before
+tracing (kernels read them at trace time), builds fwd and fwd+bwd at the benchmark shape
+(B4 T=S=4096 N32 H128 bf16 causal unless --shape says otherwise) and is timed in interleaved
+rounds with cuDNN (tools/bench.py's method); outputs are checked against cuDNN's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from bench import time_call  # noqa: E402
+
+from forgeax import ops  # noqa: E402
+
+MODULES = {"pallas_gpu": "forgeax.kernels.pallas.gpu.attention", "triton": "forgeax.kernels.triton.attention"}
+
+
+def _parse(variant: str) -> dict[str, int]:
+    if variant == "default":
+        return {}
+    return {name: int(value) for name, value in (item.split("=") for item in variant.split(","))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="pallas_gpu", choices=sorted(MODULES))
+    parser.add_argument("--variant", action="append", default=None)
+    parser.add_argument("--shape", default="4,4096,32,32,128", help="B,T,N,K,H")
+    parser.add_argument("--causal", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="-")
+    args = parser.parse_args()
+    module = importlib.import_module(MODULES[args.backend])
+    B, T, N, K, H = (int(d) for d in args.shape.split(","))
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+    causal = bool(args.causal)
+    flops = 4.0 * B * N * H * (T * (T + 1) / 2 if causal else T * T)
+
+    def steps(fn):
+        fwd = jax.jit(fn)
+
+        def fwd_bwd(q, k, v, do):
+            out, pull = jax.vjp(fn, q, k, v)
+            return (out,) + pull(do)
+
+        return fwd, jax.jit(fwd_bwd)
+
+    cudnn = steps(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
+    candidates = {"cudnn": cudnn}
+    defaults = {}
+    for variant in args.variant or ["default"]:
+        settings = _parse(variant)
+        for name in settings:
+            defaults.setdefault(name, getattr(module, name))
+        for name, value in {**defaults, **settings}.items():
+            setattr(module, name, value)
+        fns = steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, backend=args.backend))
+        # Trace + compile now, while the constants hold this variant's values.
+        try:
+            ref = cudnn[0](q, k, v)
+            out = fns[0](q, k, v)
+            jax.block_until_ready(fns[1](q, k, v, do))
+            err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+            print(f"{variant}: compiled, fwd rel err vs cuDNN {err:.2e}", flush=True)
+            candidates[variant] = fns
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported and dropped
+            print(f"{variant}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    rounds = {(name, mode): [] for name in candidates for mode in ("fwd", "fwd+bwd")}
+    for _ in range(args.reps):
+        for name, (fwd, fwd_bwd) in candidates.items():
+            rounds[(name, "fwd")] += time_call(fwd, (q, k, v), calls=args.calls, reps=1, warmup=1)
+            rounds[(name, "fwd+bwd")] += time_call(fwd_bwd, (q, k, v, do), calls=args.calls, reps=1, warmup=1)
+    results = []
+    for (name, mode), times in rounds.items():
+        ms = statistics.median(times) * 1e3
+        base = statistics.median(rounds[("cudnn", mode)]) * 1e3
+        tflops = flops * (1 if mode == "fwd" else 3.5) / (ms * 1e-3) / 1e12
+        results.append(dict(variant=name, mode=mode, median_ms=ms, tflop_per_s=tflops, vs_cudnn=base / ms))
+        print(f"{name:40s} {mode:8s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s {base / ms:5.2f}x cuDNN", flush=True)
+    if args.out != "-":
+        with open(args.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, backend=args.backend, shape=args.shape, causal=causal,
+                           results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
