@@ -68,7 +68,7 @@ from forgeax.kernels.common.attention import (
     dropout_keep,
     reduce_bias_grad,
 )
-from forgeax.kernels.pallas.tpu.cross_entropy import _without_effects
+from forgeax.kernels.pallas.tpu.interpret import without_effects
 from forgeax.ops.interface import Implementation, interpret_enabled
 
 __all__ = ["ATTENTION"]
@@ -419,7 +419,7 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, scratch, semantics, c
         cost_estimate=cost,
         interpret=pltpu.InterpretParams() if interpret else False,
     )
-    return _without_effects(call, out_shape) if interpret else call
+    return without_effects(call, out_shape) if interpret else call
 
 
 def _cost(L: _Layout, spec: AttentionSpec, matmuls: int, nbytes: int):

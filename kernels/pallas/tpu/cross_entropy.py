@@ -50,6 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.losses import reduce_loss
+from forgeax.kernels.pallas.tpu.interpret import without_effects
 from forgeax.ops.interface import Implementation, interpret_enabled
 
 __all__ = ["CROSS_ENTROPY", "Tiling", "grad_rows", "loss_rows", "row_options", "tiling"]
@@ -199,27 +200,7 @@ def _pallas(kernel, *, t: Tiling, in_specs, out_specs, out_shape, semantics, cos
         cost_estimate=cost,
         interpret=pltpu.InterpretParams() if interpret else False,
     )
-    return _without_effects(call, out_shape) if interpret else call
-
-
-def _without_effects(call, out_shape):
-    """Runs the interpreted `call` in its own jit, behind an effect-free `pure_callback`.
-
-    The TPU interpreter simulates memory with ordered io_callbacks, and JAX
-    refuses to differentiate `jax.checkpoint` around effects ("Effects not
-    supported in AD of checkpoint/remat"). The kernel is pure, so hiding the
-    interpreter behind a pure_callback is sound, lets interpret mode run
-    everything the compiled kernel supports, and (with the lru_caches below)
-    compiles each interpreted kernel once per process, not once per trace.
-    CPU interpreter only; the compiled TPU path calls the pallas_call directly.
-    """
-    jitted = jax.jit(call)
-
-    def run(*args):
-        # "sequential": a vmap that reaches the kernel un-folded (nested vmaps) loops over it.
-        return jax.pure_callback(jitted, out_shape, *args, vmap_method="sequential")
-
-    return run
+    return without_effects(call, out_shape) if interpret else call
 
 
 @functools.lru_cache(maxsize=None)
