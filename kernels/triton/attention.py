@@ -41,7 +41,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import triton
 import triton.language as tl
 
@@ -543,7 +542,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     return out, lse
 
 
-def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
+def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
     B, T, N, H = q.shape
     S, HV = k.shape[1], v.shape[3]
     cfg = config_for(H, HV, q.dtype)
@@ -593,7 +592,7 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
 
 
 ATTENTION = Implementation(
-    fn=differentiable_attention(AttentionKernels(forward=_forward, backward=_backward)),
+    fn=differentiable_attention(AttentionKernels(forward=_forward, backward=backward)),
     platforms=("gpu",),
     interpretable=True,
     supports=_supports,
