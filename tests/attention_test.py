@@ -85,6 +85,10 @@ def test_shapes_match_reference(backend, T, S, causal):
 def test_dtypes_and_head_dims(backend, H, dtype):
     if ON_CPU and H == 256 and dtype != "bf16":
         pytest.skip("head_dim 256 in bf16 only on CPU (interpreter time)")
+    if ON_CPU and backend == "pallas_gpu" and H > 64:
+        # Mosaic GPU's CPU interpreter deadlocks on this kernel when its K/V ring has 2 stages
+        # (H >= 128 at the SMEM budget); the same cases pass on the H200 (GPU run of this file).
+        pytest.skip("pallas_gpu head_dim > 64: GPU only (the Mosaic GPU interpreter hangs on a 2-stage ring)")
     args = _qkv(1, 128, 128, 2, 1, H, DTYPES[dtype], seed=H)
     _check(backend, args, dict(causal=True))
 
