@@ -48,6 +48,7 @@ from forgeax.kernels.common.attention import (
     FMIX_1, FMIX_2, GOLDEN_BN, GOLDEN_S, GOLDEN_T, AttentionKernels, AttentionSpec,
     differentiable_attention, reduce_bias_grad,
 )
+from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
 from forgeax.ops.interface import Implementation, interpret_enabled
 
@@ -74,14 +75,6 @@ def _dot(a, b, DOT: tl.constexpr):
     if DOT == 2:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
-
-
-@triton.jit
-def _tanh(y):
-    """tanh from exp (the interpreter has no libdevice); exp(-2|y|) <= 1 cannot overflow."""
-    e = tl.exp(-2.0 * tl.abs(y))
-    th = (1.0 - e) / (1.0 + e)
-    return tl.where(y < 0, -th, th)
 
 
 @triton.jit
@@ -121,7 +114,7 @@ def _logits2(qk, t, s, b, n, BIAS, MASK, QSEG, KVSEG, T: tl.constexpr, S: tl.con
     """
     th = 0.0
     if CAP > 0:
-        th = _tanh(qk * (SCALE / CAP))
+        th = tanh(qk * (SCALE / CAP))
         z = th * (CAP * LOG2E)
     else:
         z = qk * (SCALE * LOG2E)

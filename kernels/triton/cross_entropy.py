@@ -44,6 +44,7 @@ import triton.language as tl
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.losses import reduce_loss
+from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
 from forgeax.ops.interface import Implementation, interpret_enabled
 
@@ -54,19 +55,11 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 @triton.jit
-def _tanh(y):
-    """tanh from exp (the interpreter has no libdevice); exp(-2|y|) <= 1 cannot overflow."""
-    e = tl.exp(-2.0 * tl.abs(y))
-    th = (1.0 - e) / (1.0 + e)
-    return tl.where(y < 0, -th, th)
-
-
-@triton.jit
 def _soft_cap(x, CAP: tl.constexpr):
     """cap * tanh(x / cap); the identity when CAP == 0."""
     z = x
     if CAP > 0:
-        z = CAP * _tanh(x * (1.0 / CAP))  # a constant multiply, not a division per element
+        z = CAP * tanh(x * (1.0 / CAP))  # a constant multiply, not a division per element
     return z
 
 
@@ -109,7 +102,7 @@ def _row_grad(X, DX, row_start, target, lse, scale, V: tl.constexpr, BLOCK_V: tl
         mask = start + cols < V
         x = tl.load(X + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
         if CAP > 0:
-            th = _tanh(x * (1.0 / CAP))
+            th = tanh(x * (1.0 / CAP))
             z = CAP * th
         else:
             z = x
