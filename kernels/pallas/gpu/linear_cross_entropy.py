@@ -62,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.xla import linear_cross_entropy as xla_lce
+from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.ops.interface import Implementation, interpret_enabled
 
 _F32 = jnp.float32
@@ -286,7 +287,7 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
     if store:
         out_type.append(jax.ShapeDtypeStruct((cp, vp), dt))
     threads = {"num_threads": wgs, "thread_name": "wg"} if wgs > 1 else {}
-    outs = plgpu.kernel(
+    call = plgpu.kernel(
         body,
         out_type=tuple(out_type),
         grid=(splits, row_blocks),  # row blocks fastest: CTAs running together share W tiles in L2
@@ -294,7 +295,10 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret(),
         **threads,
-    )(*((x, w) + ((b,) if has_bias else ()) + (t,)))
+    )
+    if interpret_enabled():  # the interpreter's effects would block jax.checkpoint: hide them
+        call = without_effects(call, tuple(out_type))
+    outs = call(*((x, w) + ((b,) if has_bias else ()) + (t,)))
     return outs[0], (outs[1] if store else None)
 
 

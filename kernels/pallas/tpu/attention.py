@@ -68,7 +68,7 @@ from forgeax.kernels.common.attention import (
     dropout_keep,
     reduce_bias_grad,
 )
-from forgeax.kernels.pallas.tpu.interpret import without_effects
+from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.ops.interface import Implementation, interpret_enabled
 
 __all__ = ["ATTENTION"]
