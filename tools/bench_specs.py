@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from forgeax import ops
+from forgeax.ops.interface import UnsupportedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,16 +145,19 @@ def _linear_cross_entropy_spec() -> Spec:
         targets = jax.random.randint(kt, (n,), 0, v, jnp.int32)
         return x, w, targets, jnp.float32(1.0)  # last: the cotangent of the mean loss
 
-    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
-        fn = functools.partial(ops.linear_cross_entropy, backend=backend)
+    def training_step(loss: Callable[..., Any], mode: str) -> Callable[..., Any]:
+        """loss(x, w, targets) -> the loss (fwd), or the loss and its gradients for x and W."""
         if mode == "fwd":
-            return jax.jit(lambda x, w, targets, ct: fn(x, w, targets))
+            return jax.jit(lambda x, w, targets, ct: loss(x, w, targets))
 
         def fwd_bwd(x, w, targets, ct):
-            loss, pullback = jax.vjp(lambda a, b: fn(a, b, targets), x, w)
-            return (loss,) + pullback(ct)
+            value, pullback = jax.vjp(lambda a, b: loss(a, b, targets), x, w)
+            return (value,) + pullback(ct)
 
         return jax.jit(fwd_bwd)
+
+    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        return training_step(functools.partial(ops.linear_cross_entropy, backend=backend), mode)
 
     def floor(shape: Shape, mode: str) -> tuple[float, float]:
         n, h, v = shape.dims
@@ -166,17 +170,7 @@ def _linear_cross_entropy_spec() -> Spec:
     def materialised_bf16(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         # What users write in plain JAX: logits = x @ W in the weight's dtype (f32 accumulation,
         # rounded once), then the XLA cross-entropy over them (f32 inside its fusions).
-        def loss(x, w, targets):
-            return ops.cross_entropy(jnp.dot(x, w), targets, backend="xla")
-
-        if mode == "fwd":
-            return jax.jit(lambda x, w, targets, ct: loss(x, w, targets))
-
-        def fwd_bwd(x, w, targets, ct):
-            value, pullback = jax.vjp(lambda a, b: loss(a, b, targets), x, w)
-            return (value,) + pullback(ct)
-
-        return jax.jit(fwd_bwd)
+        return training_step(lambda x, w, targets: ops.cross_entropy(jnp.dot(x, w), targets, backend="xla"), mode)
 
     return Spec("linear_cross_entropy", shapes, make_inputs, build, floor,
                 anchors={"xla_materialised": materialised_bf16}, main_anchor="xla_materialised")
@@ -222,7 +216,7 @@ def _attention_spec() -> Spec:
     def jax_nn(implementation: str) -> Callable[[str, dict[str, Any]], Callable[..., Any]]:
         def anchor(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
             if options.get("logit_soft_cap") is not None:
-                raise interface_unsupported(f"jax.nn.dot_product_attention({implementation}) has no logit soft cap")
+                raise UnsupportedError(f"jax.nn.dot_product_attention({implementation}) has no logit soft cap")
             window = options.get("window")
             fn = functools.partial(
                 jax.nn.dot_product_attention, is_causal=bool(options.get("causal")), implementation=implementation,
@@ -249,12 +243,6 @@ def _attention_spec() -> Spec:
 
     return Spec("attention", shapes, make_inputs, build, floor,
                 anchors={"cudnn": jax_nn("cudnn"), "jax_nn_xla": jax_nn("xla")}, main_anchor="cudnn", precheck=False)
-
-
-def interface_unsupported(message: str) -> Exception:
-    from forgeax.ops.interface import UnsupportedError
-
-    return UnsupportedError(message)
 
 
 SPECS["attention"] = _attention_spec()

@@ -238,11 +238,6 @@ def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[A
     return fn
 
 
-def kv_head_groups(q: Array, k: Array) -> int:
-    """Query heads per kv head (N // K)."""
-    return q.shape[2] // k.shape[2]
-
-
 def reduce_bias_grad(dz: Array, bias_shape: tuple[int, ...]) -> Array:
     """Sum dz [B, N, T, S] down to a broadcast bias shape [Bb, Nb, T, S]."""
     axes = tuple(i for i in range(2) if bias_shape[i] == 1 and dz.shape[i] != 1)
