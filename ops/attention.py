@@ -3,27 +3,31 @@
 from __future__ import annotations
 
 import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Integer
 
 from forgeax.kernels.common.attention import AttentionSpec, dropout_seed_from_key
 from forgeax.ops import checks
-from forgeax.ops.interface import define_op
+from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 
 # Priority on each platform, best first (xla is always the fallback). The xla entry on CPU/GPU/TPU
 # is the materialised reference; "xla_chunked" is the linear-memory XLA version.
-# GPU: Mosaic GPU first wherever it supports the call: on an H200 it was faster than Triton on
-# every shape of benchmarks/results/attention_H200.json, forward and forward+backward (e.g.
-# causal B4 T4096 N32 H128: 0.97 vs 1.28 ms fwd, 4.21 vs 4.86 ms fwd+bwd); Triton covers every
-# feature Mosaic GPU refuses (bias, mask, segments, dropout, f32, tails, other head dims).
-_PRIORITY = {"gpu": ("pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
+# GPU: cuDNN (through XLA) first for the calls it computes exactly (see its supports(): no bias,
+# mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 it was as fast as or
+# faster than pallas_gpu fwd+bwd on every shape of benchmarks/results/attention_H200_cudnn_backend.json
+# (causal B4 T4096 N32 H128: 4.18 vs 4.22 ms; non-causal 7.33 vs 7.77; GQA 3.89 vs 4.21; H64 2.64
+# vs 2.81; H256 2.45 vs 5.47). Mosaic GPU next (it beat Triton on every shape of
+# attention_H200.json), then Triton, which covers every feature.
+_PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
 
 ATTENTION = define_op(
     "attention",
     {
         "xla": "forgeax.kernels.xla.attention:ATTENTION",
         "xla_chunked": "forgeax.kernels.xla.attention:ATTENTION_CHUNKED",
+        "cudnn": "forgeax.kernels.xla.attention:ATTENTION_CUDNN",
         "triton": "forgeax.kernels.triton.attention:ATTENTION",
         "pallas_gpu": "forgeax.kernels.pallas.gpu.attention:ATTENTION",
         "pallas_tpu": "forgeax.kernels.pallas.tpu.attention:ATTENTION",
@@ -78,6 +82,7 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
     return_lse: bool = False,
+    deterministic: bool | None = None,
     backend: str | None = None,
 ) -> Float[Array, "*B T N Hv"] | tuple[Float[Array, "*B T N Hv"], Float[Array, "*B T N"]]:
     """Multi-head scaled dot-product attention (flash attention on GPU/TPU backends).
@@ -109,8 +114,15 @@ def attention(
       q: `[*B, T, N, H]`; k: `[*B, S, K, H]`; v: `[*B, S, K, Hv]` with N % K == 0 (GQA/MQA) and Hv
         allowed to differ from H. f32/bf16/f16, all the same dtype.
       return_lse: also return lse `[*B, T, N]` f32 (differentiable), e.g. to merge partial results.
+      deterministic: True guarantees bitwise-reproducible gradients on every backend. False lets a
+        backend sum dq with float atomics in any order (pallas_gpu's one-pass backward; cudnn),
+        which is faster and equal up to rounding, as in cuDNN's and FlashAttention-3's default
+        backward. None (default) follows XLA's `--xla_gpu_deterministic_ops` flag (off unless
+        set in XLA_FLAGS), like jax.nn.dot_product_attention's cuDNN path. The forward is always
+        deterministic; xla, xla_chunked, triton and pallas_tpu always are.
       backend: None (fastest measured for this device and shape), "xla" (materialised reference),
-        "xla_chunked" (linear memory), "triton", "pallas_gpu", "pallas_tpu" ("pallas").
+        "xla_chunked" (linear memory), "triton", "pallas_gpu", "pallas_tpu" ("pallas"), "cudnn"
+        (XLA's cuDNN fused attention, for the calls whose semantics it shares).
 
     Returns:
       out `[*B, T, N, Hv]` in q's dtype, or (out, lse) with return_lse.
@@ -176,9 +188,14 @@ def attention(
     bias3 = pairwise("bias", bias, False)
     mask3 = pairwise("mask", mask, True)
     seed = dropout_seed_from_key(dropout_key) if rate > 0 else None
+    if deterministic is None:
+        deterministic = xla_gpu_deterministic_ops()
+    elif not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected True, False or None, got {deterministic!r}")
     spec = AttentionSpec(
         causal=bool(causal), scale=float(scale), window_left=left, window_right=right,
-        logit_soft_cap=logit_soft_cap, dropout_rate=rate,
+        logit_soft_cap=logit_soft_cap, dropout_rate=rate, deterministic=deterministic,
+        return_lse=bool(return_lse),
     )
     out, lse = ATTENTION(q3, k3, v3, bias3, mask3, q_seg, kv_seg, seed, spec=spec, backend=backend)
     out = out.reshape(lead + tuple(out.shape[1:]))

@@ -55,6 +55,7 @@ def _check(backend, args, kwargs, *, seed=0):
     case = conformance.Case(
         f"attention{tuple(args[0].shape)}x{tuple(args[1].shape)}", public,
         functools.partial(public, backend="xla"), tuple(args), kwargs, diff_argnums=tuple(range(len(args))),
+        reproducible_backward=kwargs.get("deterministic") is True,
     )
     return conformance.assert_conforms(case, backend, tolerance=TOLERANCE[case.dtype], seed=seed)
 
@@ -91,6 +92,34 @@ def test_dtypes_and_head_dims(backend, H, dtype):
         pytest.skip("pallas_gpu head_dim > 64: GPU only (the Mosaic GPU interpreter hangs on a 2-stage ring)")
     args = _qkv(1, 128, 128, 2, 1, H, DTYPES[dtype], seed=H)
     _check(backend, args, dict(causal=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_backward_is_bitwise_reproducible(backend):
+    """deterministic=True: every backend's second backward equals the first bit for bit."""
+    H, T = (64, 128) if ON_CPU else (128, 1024)
+    _check(backend, _qkv(1, T, T, 4, 2, H, jnp.bfloat16, seed=23), dict(causal=True, deterministic=True))
+
+
+# head_dim 128 (the kernels' main tile shapes) at multi-block sizes, on each masking pattern the
+# GPU kernels run, with deterministic True and False (cudnn refuses True without the XLA flag).
+H128_CASES = {
+    "full": (1024, 1024, dict()),
+    "causal": (1024, 1024, dict(causal=True)),
+    "causal_T<S": (512, 1280, dict(causal=True)),
+    "window": (1024, 1024, dict(causal=True, window=(300, 0))),
+    "soft_cap": (768, 768, dict(causal=True, logit_soft_cap=20.0)),
+}
+
+
+@pytest.mark.skipif(ON_CPU, reason="GPU only: T*S of a million per head is beyond the interpreters here")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any_order", "deterministic"])
+@pytest.mark.parametrize("case", H128_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_dim_128_multi_block(backend, case, deterministic):
+    T, S, kwargs = H128_CASES[case]
+    args = _qkv(2, T, S, 8, 2, 128, jnp.bfloat16, seed=T + S)
+    _check(backend, args, dict(kwargs, deterministic=deterministic))
 
 
 @pytest.mark.parametrize("Hv", [32, 128])
@@ -262,7 +291,18 @@ def test_selection_on_this_platform():
     if ON_CPU:
         assert chosen == ("xla",)
     else:
-        assert chosen[0] in ("pallas_gpu", "triton", "xla")
+        assert chosen[0] in ("cudnn", "pallas_gpu", "triton", "xla")
+
+
+def test_deterministic_default_follows_xla_flag(monkeypatch):
+    from forgeax.ops.interface import xla_gpu_deterministic_ops
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    assert not xla_gpu_deterministic_ops()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --foo")
+    assert xla_gpu_deterministic_ops()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    assert not xla_gpu_deterministic_ops()
 
 
 def test_bad_inputs_raise_errors_that_name_the_argument():
@@ -283,6 +323,7 @@ def test_bad_inputs_raise_errors_that_name_the_argument():
         ("mask", dict(mask=jnp.ones((2, 4, 16, 24), jnp.float32))),
         ("segment_ids[1]", dict(segment_ids=(jnp.zeros((2, 16), jnp.int32), jnp.zeros((2, 16), jnp.int32)))),
         ("segment_ids[0]", dict(segment_ids=(jnp.zeros((2, 16)), jnp.zeros((2, 24), jnp.int32)))),
+        ("deterministic", dict(deterministic="yes")),
     ]
     for name, change in bad:
         args = dict(q=q, k=k, v=v)
@@ -291,3 +332,38 @@ def test_bad_inputs_raise_errors_that_name_the_argument():
             ops.attention(args["q"], args["k"], args["v"], **change)
     with pytest.raises(ValueError, match="^backend: unknown backend"):
         ops.attention(q, k, v, backend="no_such_backend")
+
+
+def test_cudnn_backend_refuses_what_it_would_compute_differently():
+    """The cudnn backend's supports() names every semantic gap (checked on any platform)."""
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.xla.attention import ATTENTION_CUDNN
+
+    def why(T=256, S=256, H=128, dtype=jnp.bfloat16, Hv=None, extra=(), **spec):
+        q = jax.ShapeDtypeStruct((1, T, 4, H), dtype)
+        k = jax.ShapeDtypeStruct((1, S, 2, H), dtype)
+        v = jax.ShapeDtypeStruct((1, S, 2, Hv or H), dtype)
+        args = [None] * 5
+        for i, value in extra:
+            args[i] = value
+        return ATTENTION_CUDNN.supports(q, k, v, *args, spec=AttentionSpec(**spec))
+
+    cases = {
+        "dtype": why(dtype=jnp.float32),
+        "bias": why(extra=((0, jnp.zeros((1, 1, 256, 256))),)),
+        "segment": why(extra=((2, jnp.zeros((1, 256), jnp.int32)), (3, jnp.zeros((1, 256), jnp.int32)))),
+        "dropout": why(dropout_rate=0.1),
+        "soft cap": why(logit_soft_cap=30.0),
+        "return_lse": why(return_lse=True),
+        "deterministic": why(deterministic=True),
+        "window without causal": why(window_left=16, window_right=0),
+        "T=128 != S=256": why(T=128, causal=True),
+        "T=20": why(T=20, S=24),
+        "head_dim 128 (v 64)": why(Hv=64),
+    }
+    for expected, reason in cases.items():
+        assert reason is not None and expected in reason, (expected, reason)
+    if ON_CPU:
+        assert "compute capability" in why(causal=True)
+    else:
+        assert why(causal=True) is None and why(causal=True, window_left=64) is None

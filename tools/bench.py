@@ -14,6 +14,7 @@ goes to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import datetime
 import json
@@ -87,6 +88,16 @@ def copy_bandwidth(calls: int, reps: int) -> float:
     return 2 * 4 * n / statistics.median(rounds)
 
 
+def parse_backend(name: str) -> tuple[str, dict[str, Any]]:
+    """'pallas_gpu:deterministic=True' -> ('pallas_gpu', {'deterministic': True}); 'default' = backend=None."""
+    backend, *settings = name.split(":")
+    extra = {}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        extra[key] = ast.literal_eval(value)
+    return backend, extra
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     platform = interface.current_platform()
     device = jax.devices()[0]
@@ -96,7 +107,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for op_name in args.op:
         spec = bench_specs.SPECS[op_name]
         registered = interface.OPS[op_name].backends
-        backends = [b for b in args.backend if b in registered] if args.backend else list(registered)
+        wanted = args.backend or list(registered)
+        backends = [b for b in wanted if parse_backend(b)[0] in registered + ("default",)]
         shapes = [s for s in spec.shapes if (args.shape and s.name in args.shape) or (not args.shape and (platform != "cpu" or s.small))]
         for shape in shapes:
             inputs = spec.make_inputs(shape, jax.random.key(0))
@@ -104,17 +116,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode in args.mode:
                 nbytes, flops = spec.floor(shape, mode)
                 floor_s = nbytes / ceiling
-                candidates = [(b, None) for b in backends] + [(f"anchor:{a}", build) for a, build in spec.anchors.items()]
+                anchors = {a: build for a, build in spec.anchors.items() if not args.anchor or a in args.anchor}
+                candidates = [(b, None) for b in backends] + [(f"anchor:{a}", build) for a, build in anchors.items()]
                 fns = {}
                 for name, anchor_build in candidates:
-                    if anchor_build is None and spec.precheck:
-                        impl = interface.OPS[op_name].implementation(name)
-                        why = impl if isinstance(impl, str) else impl.why_not(platform, inputs[:-1], options)
+                    backend, extra = parse_backend(name) if anchor_build is None else (name, {})
+                    if anchor_build is None and spec.precheck and backend != "default":
+                        impl = interface.OPS[op_name].implementation(backend)
+                        why = impl if isinstance(impl, str) else impl.why_not(platform, inputs[:-1], {**options, **extra})
                         if why is not None:
                             print(f"  skip {op_name} {shape.name} {mode} {name}: {why}", flush=True)
                             continue
                     try:
-                        fn = anchor_build(mode, options) if anchor_build else spec.build(name, mode, options)
+                        fn = (anchor_build(mode, options) if anchor_build else
+                              spec.build(None if backend == "default" else backend, mode, {**options, **extra}))
                         temp = temp_bytes(fn, inputs)
                         time_call(fn, inputs, calls=1, reps=1)  # compile + warm up
                         fns[name] = (fn, temp)
@@ -186,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="append", choices=sorted(bench_specs.SPECS), help="op to time (repeatable; default all)")
     parser.add_argument("--shape", action="append", help="named shape (repeatable; default: all on GPU, the small ones on CPU)")
-    parser.add_argument("--backend", action="append", help="backend (repeatable; default: every backend that runs here)")
+    parser.add_argument("--anchor", action="append", help="anchor to time (repeatable; default: all of the spec's)")
+    parser.add_argument("--backend", action="append", help="backend (repeatable; default: every backend that runs here); 'default' = the op's "
+                        "own selection; 'name:option=value' adds a call option, e.g. pallas_gpu:deterministic=True")
     parser.add_argument("--mode", action="append", choices=("fwd", "fwd+bwd"), help="default both")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--reps", type=int, default=7)

@@ -78,7 +78,7 @@ def _norm_spec(op_name: str, public: Callable[..., Any], has_offset: bool) -> Sp
         offset = 0.1 * jax.random.normal(ko, shape.dims[-1:], jnp.float32)
         return (x, scale, offset, dy) if has_offset else (x, scale, dy)
 
-    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         fn = functools.partial(public, backend=backend, eps=NORM_EPS)
         if mode == "fwd":
             return jax.jit(lambda *a: fn(*a[:-1]))
@@ -112,7 +112,7 @@ def _cross_entropy_spec() -> Spec:
         targets = jax.random.randint(kt, shape.dims[:-1], 0, shape.dims[-1], jnp.int32)
         return logits, targets, jnp.float32(1.0)  # last: the cotangent of the mean loss
 
-    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         fn = functools.partial(ops.cross_entropy, backend=backend)
         if mode == "fwd":
             return jax.jit(lambda logits, targets, ct: fn(logits, targets))
@@ -156,7 +156,7 @@ def _linear_cross_entropy_spec() -> Spec:
 
         return jax.jit(fwd_bwd)
 
-    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         return training_step(functools.partial(ops.linear_cross_entropy, backend=backend), mode)
 
     def floor(shape: Shape, mode: str) -> tuple[float, float]:
@@ -210,7 +210,7 @@ def _attention_spec() -> Spec:
 
         return jax.jit(fwd_bwd)
 
-    def build(backend: str, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         return training_step(functools.partial(ops.attention, backend=backend, **options), mode)
 
     def jax_nn(implementation: str) -> Callable[[str, dict[str, Any]], Callable[..., Any]]:

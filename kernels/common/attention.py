@@ -85,6 +85,8 @@ class AttentionSpec:
     window_right: int | None = None
     logit_soft_cap: float | None = None
     dropout_rate: float = 0.0
+    deterministic: bool = False  # the backward must be bitwise reproducible (no float atomics)
+    return_lse: bool = False  # the caller uses lse (and may differentiate through it)
 
     @property
     def right(self) -> int | None:

@@ -7,11 +7,13 @@ Both implement the contract in `forgeax.kernels.common.attention` (math, masks, 
 * `chunked`: scans over key chunks with an online softmax (forward) and recomputes each chunk's
   probabilities from the saved log-sum-exp (backward), so memory is O(T * chunk) per batch and
   head; runs on any device and is the fallback for long sequences.
+* `cudnn`: XLA's cuDNN fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`),
+  only for the calls where its semantics are the contract's (see `_cudnn_supports`); GPU only.
 """
 
 from __future__ import annotations
 
-
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -23,7 +25,7 @@ from forgeax.kernels.common.attention import (
     dropout_keep,
     reduce_bias_grad,
 )
-from forgeax.ops.interface import Implementation
+from forgeax.ops.interface import Implementation, xla_gpu_deterministic_ops
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -215,3 +217,50 @@ chunked = differentiable_attention(AttentionKernels(forward=chunked_forward, bac
 
 ATTENTION = Implementation(fn=reference, platforms=("cpu", "gpu", "tpu"))
 ATTENTION_CHUNKED = Implementation(fn=chunked, platforms=("cpu", "gpu", "tpu"))
+
+
+def cudnn(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):
+    """cuDNN's flash attention through XLA; returns (out, None): lse is refused (see below)."""
+    del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed  # refused by _cudnn_supports
+    window = None if spec.window_left is None else (spec.window_left, 0)
+    out = jax.nn.dot_product_attention(
+        q, k, v, scale=spec.scale, is_causal=spec.causal, local_window_size=window, implementation="cudnn",
+    )
+    return out, None
+
+
+def _cudnn_supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec) -> str | None:
+    """The calls where cuDNN computes exactly the contract; everything else falls back."""
+    del dropout_seed
+    T, H = q.shape[1], q.shape[3]
+    S, Hv = k.shape[1], v.shape[3]
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(q.dtype).name}: cuDNN flash attention needs bf16 or f16"
+    if bias is not None or mask is not None or q_segment_ids is not None or kv_segment_ids is not None:
+        return "bias/mask/segment ids are not routed to cuDNN"
+    if spec.dropout_rate > 0:
+        return "dropout: cuDNN's RNG is not the contract's hash"
+    if spec.logit_soft_cap is not None:
+        return "logit soft cap: not in cuDNN"
+    if spec.return_lse:
+        return "return_lse: jax's cuDNN path drops the lse cotangent"
+    if spec.deterministic and not xla_gpu_deterministic_ops():
+        return "deterministic: cuDNN's backward adds dq with atomics unless XLA_FLAGS has --xla_gpu_deterministic_ops"
+    if not spec.causal and (spec.window_left is not None or spec.window_right is not None):
+        # jax.nn's cuDNN path ignores a left window without causal (notes/PLATFORM.md, known traps).
+        return "window without causal: cuDNN's sliding window is causal-only"
+    if spec.has_position_mask and T != S:
+        return f"causal/window with T={T} != S={S}: cuDNN aligns the first query with the first key"
+    if T % 8 or S % 8:
+        # Measured on an H200: T or S of 1 or 17 failed conformance, 128 and 1000 passed.
+        return f"T={T}, S={S}: routed to cuDNN only when both are multiples of 8"
+    if Hv != H or H % 8 or H > 256:
+        return f"head_dim {H} (v {Hv}): cuDNN needs H == Hv, a multiple of 8, at most 256"
+    device = jax.devices()[0]
+    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0] or 0)
+    if major < 8 or (H > 128 and major < 9):
+        return f"compute capability {getattr(device, 'compute_capability', '?')}: too old for head_dim {H}"
+    return None
+
+
+ATTENTION_CUDNN = Implementation(fn=cudnn, platforms=("gpu",), supports=_cudnn_supports)

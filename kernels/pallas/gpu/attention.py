@@ -27,10 +27,11 @@ Backward (delta = rowsum(dout * out) - dlse and lse * log2(e) are plain jnp ops)
     dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
   * dQ kernel: one CTA = 128 query rows of one (b, n), consumers own 64 rows, the producer
     streams K/V blocks of 64 keys:  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
-  * H = 256: dk + dv would need 256 accumulator registers per thread; `_dkv(parts=...)` can
-    run dK and dV as two launches (32-row query blocks, cross-lowers) but that path is not
-    verified (it did not finish in interpret mode), so the H = 256 backward is Triton's fused
-    kernel on the GPU (XLA's chunked backward in interpret mode); the forward uses this kernel.
+  * H = 256: dk + dv would need 256 accumulator registers per thread, so the H = 256 backward is
+    Triton's fused kernel on the GPU (XLA's chunked backward in interpret mode); the forward
+    uses this kernel.
+  * dq is not fused into the dK/dV kernel: an FA3-style one-pass variant (f32 dq accumulated by
+    TMA reduce-adds) measured slower on an H200 (see `_dkv`).
 
 Interpret mode (FORGEAX_INTERPRET / interpret_mode()): the interpreter cannot run wgmma with a
 register LHS nor `run_state` with `ACC.init` (notes/MOSAIC_GPU.md §8), so there the 16-bit
@@ -358,23 +359,25 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv(q, k, v, do, lse2, delta, spec, parts=("dk", "dv")):
-    """dk and/or dv [B, S, K, H] (`parts`): one CTA per 128 keys of one (b, kv head), the
-    accumulators in registers. H = 256 runs one part per launch (128 registers each) with
-    32-row query blocks (SMEM)."""
+def _dkv(q, k, v, do, lse2, delta, spec):
+    """(dk, dv) [B, S, K, H]: one CTA per 128 keys of one (b, kv head), dk and dv in registers.
+
+    A one-pass variant that also added each CTA's ds k into an f32 dq with TMA reduce-adds (5
+    matmuls instead of 7, FA3-style) was built and measured slower on an H200 (causal B4 T4096
+    N32 H128 fwd+bwd: 5.47 ms, or 5.58 ms with no cross-warpgroup barrier, against 4.22 ms for
+    these two kernels), so dq stays a separate, deterministic kernel.
+    """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G, dt = N // K, q.dtype
-    bq = 64 if H <= 128 else 32
-    want_dk, want_dv = "dk" in parts, "dv" in parts
+    bq = 64
     item = jnp.dtype(dt).itemsize
+    interpret = interpret_enabled()
     stages = _stages(2 * bq * H * item + 2 * bq * 4, 2 * _CTA * H * item)
     band = _Band.keys_by_query(spec, T, S)
-    interpret = interpret_enabled()
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-        outs, refs = refs[:len(parts)], refs[len(parts):]
-        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free = refs
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+               k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free):
         b, kh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         s0 = lax.axis_index("kv") * _CTA
         lo, full_lo, full_hi, hi = band.blocks(s0, _CTA, bq, T)
@@ -393,7 +396,7 @@ def _dkv(q, k, v, do, lse2, delta, spec, parts=("dk", "dv")):
 
             def head(g, carry):
                 def step(j, carry, masked):
-                    accs = dict(zip(parts, carry))
+                    dk, dv = carry
                     i = g * per_head + j - lo
                     slot = lax.rem(i, _i32(stages))
                     plgpu.barrier_wait(loaded.at[slot])
@@ -403,28 +406,21 @@ def _dkv(q, k, v, do, lse2, delta, spec, parts=("dk", "dv")):
                     if masked:
                         pt = jnp.where(band.mask(keys, j * bq, st.shape), pt, 0.0)
                     do_t = do_smem.at[slot].transpose((1, 0))
-                    if want_dv and want_dk:
-                        accs["dv"], dpt = mma.two(accs["dv"], pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
-                    elif want_dv:
-                        accs["dv"] = mma(pt.astype(dt), do_smem.at[slot], (_ROWS, H), acc=accs["dv"], a_in_regs=True)
-                    else:
-                        dpt = mma(v_s, do_t, (_ROWS, bq))
-                    if want_dk:
-                        dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                        dst = pt * (dpt - _bcast(dl, st.shape, 1))
-                        if spec.logit_soft_cap is not None:
-                            dst = dst * _cap_grad(st, spec)
-                        accs["dk"] = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=accs["dk"], a_in_regs=True)
+                    dv, dpt = mma.two(dv, pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
+                    dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    dst = pt * (dpt - _bcast(dl, st.shape, 1))
+                    if spec.logit_soft_cap is not None:
+                        dst = dst * _cap_grad(st, spec)
+                    dk = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=dk, a_in_regs=True)
                     pl.when(i + stages < G * per_head)(lambda: plgpu.barrier_arrive(free.at[slot]))
-                    return tuple(accs[name] for name in parts)
+                    return dk, dv
 
                 return _three_loops(lo, full_lo, full_hi, hi, step, carry, band)
 
-            accs = lax.fori_loop(0, G, head, tuple(_zeros((_ROWS, H)) for _ in parts))
+            dk, dv = lax.fori_loop(0, G, head, (_zeros((_ROWS, H)), _zeros((_ROWS, H))))
             # The results go out through the K/V buffers (every wgmma reading them is done).
-            for name, acc, out_ref in zip(parts, accs, outs):
-                buf = k_s if name == "dk" else v_s
-                buf[...] = (acc * spec.scale if name == "dk" else acc).astype(dt)
+            for acc, buf, out_ref in ((dk * spec.scale, k_s, dk_ref), (dv, v_s, dv_ref)):
+                buf[...] = acc.astype(dt)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(buf, out_ref.at[gk])
             plgpu.wait_smem_to_gmem(0)
@@ -451,7 +447,7 @@ def _dkv(q, k, v, do, lse2, delta, spec, parts=("dk", "dv")):
 
             lax.fori_loop(0, G * per_head, load, None)
 
-    tr = _transforms(dt, 128 if H <= 128 else 64)
+    tr = _transforms(dt)
 
     def entry(*refs):
         scratch = [
@@ -473,7 +469,7 @@ def _dkv(q, k, v, do, lse2, delta, spec, parts=("dk", "dv")):
     kv_type = jax.ShapeDtypeStruct((B, S, K, H), dt)
     return plgpu.kernel(
         entry,
-        out_type=tuple(kv_type for _ in parts),
+        out_type=(kv_type, kv_type),
         grid=(K, S // _CTA, B),
         grid_names=("heads", "kv", "batch"),
         num_threads=_WGS + 1,
