@@ -285,6 +285,30 @@ def test_jit_grad_vmap_checkpoint(backend):
     assert conformance.relative_error(got[0], ops.attention(q, k, v, causal=True)) < 1e-4
 
 
+@pytest.mark.skipif(ON_CPU, reason="GPU only: the 16-bit kernel paths at sizes beyond the interpreters here")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jit_grad_vmap_checkpoint_bf16(backend):
+    """The same transformations on the bf16, T == S, no-bias path (the one cudnn and pallas_gpu take)."""
+    B, T, N, K = 2, 256, 4, 2
+    q, k, v = _qkv(B, T, T, N, K, 128, jnp.bfloat16, seed=29)
+
+    def loss(backend, q, k, v):
+        out = ops.attention(q[None], k[None], v[None], causal=True, backend=backend)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    def batched(backend):
+        fn = jax.checkpoint(functools.partial(loss, backend))
+        return jax.jit(jax.vmap(jax.value_and_grad(fn, (0, 1, 2))))(q, k, v)
+
+    try:
+        got = batched(backend)
+    except interface.UnsupportedError as e:
+        pytest.skip(str(e))
+    want = batched("xla")
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert conformance.relative_error(g, r) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
+
+
 def test_selection_on_this_platform():
     q, k, v = _qkv(1, 16, 16, 2, 2, 64, jnp.float32, seed=0)
     chosen = ops.explain(lambda q, k, v: ops.attention(q, k, v, causal=True), q, k, v).backends()
