@@ -17,7 +17,7 @@ from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 # GPU: cuDNN (through XLA) first for the calls it computes exactly (see its supports(): no bias,
 # mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 it was as fast as or
 # faster than pallas_gpu fwd+bwd on every shape of benchmarks/results/attention_H200_cudnn_backend.json
-# (causal B4 T4096 N32 H128: 4.18 vs 4.22 ms; non-causal 7.33 vs 7.77; GQA 3.89 vs 4.21; H64 2.64
+# (causal B4 T4096 N32 H128: 4.21 vs 4.22 ms; non-causal 7.33 vs 7.77; GQA 3.89 vs 4.21; H64 2.64
 # vs 2.81; H256 2.45 vs 5.47). Mosaic GPU next (it beat Triton on every shape of
 # attention_H200.json), then Triton, which covers every feature.
 _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
@@ -114,10 +114,9 @@ def attention(
       q: `[*B, T, N, H]`; k: `[*B, S, K, H]`; v: `[*B, S, K, Hv]` with N % K == 0 (GQA/MQA) and Hv
         allowed to differ from H. f32/bf16/f16, all the same dtype.
       return_lse: also return lse `[*B, T, N]` f32 (differentiable), e.g. to merge partial results.
-      deterministic: True guarantees bitwise-reproducible gradients on every backend. False lets a
-        backend sum dq with float atomics in any order (pallas_gpu's one-pass backward; cudnn),
-        which is faster and equal up to rounding, as in cuDNN's and FlashAttention-3's default
-        backward. None (default) follows XLA's `--xla_gpu_deterministic_ops` flag (off unless
+      deterministic: True guarantees bitwise-reproducible gradients on every backend. False also
+        allows cudnn, whose backward sums dq with float atomics in any order (equal up to
+        rounding, not bit for bit; measured in benchmarks/results/attention_backward_determinism_H200.json). None (default) follows XLA's `--xla_gpu_deterministic_ops` flag (off unless
         set in XLA_FLAGS), like jax.nn.dot_product_attention's cuDNN path. The forward is always
         deterministic; xla, xla_chunked, triton and pallas_tpu always are.
       backend: None (fastest measured for this device and shape), "xla" (materialised reference),

@@ -154,9 +154,9 @@ class Tuned:
     """A measured preference that overrides an op's platform priority.
 
     On devices whose `device_kind` starts with `device`, calls whose first
-    argument's last axis lies in [min_last_dim, max_last_dim] (and, if given,
-    for which `when(args, kwargs)` is true) try `order` first (then the platform
-    priority). `evidence` names the benchmark result that justifies it.
+    argument's last axis lies in [min_last_dim, max_last_dim] try `order` first
+    (then the platform priority). `evidence` names the benchmark result that
+    justifies it.
     """
 
     device: str
@@ -164,15 +164,12 @@ class Tuned:
     evidence: str
     min_last_dim: int = 0
     max_last_dim: int | None = None
-    when: Callable[[Sequence[Any], Mapping[str, Any]], bool] | None = None
 
-    def matches(self, device_kind: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> bool:
+    def matches(self, device_kind: str, args: Sequence[Any]) -> bool:
         if not device_kind.startswith(self.device) or not args or not hasattr(args[0], "shape") or not args[0].shape:
             return False
         last = args[0].shape[-1]
-        if not (self.min_last_dim <= last and (self.max_last_dim is None or last <= self.max_last_dim)):
-            return False
-        return self.when is None or bool(self.when(args, kwargs or {}))
+        return self.min_last_dim <= last and (self.max_last_dim is None or last <= self.max_last_dim)
 
 
 def xla_gpu_deterministic_ops() -> bool:
@@ -268,12 +265,12 @@ class Op:
         return self._loaded[backend]
 
     # -- selection --------------------------------------------------------------------------
-    def _candidates(self, backend: str | None, platform: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[str, ...]:
+    def _candidates(self, backend: str | None, platform: str, args: Sequence[Any]) -> tuple[str, ...]:
         if backend is None:
             order = self.priority(platform)
             if self.tuned and platform != "cpu":
                 kind = current_device_kind()
-                rule = next((t for t in self.tuned if t.matches(kind, args, kwargs)), None)
+                rule = next((t for t in self.tuned if t.matches(kind, args)), None)
                 if rule is not None:
                     first = tuple(b for b in rule.order if b in self._refs)
                     order = first + tuple(b for b in order if b not in first)
@@ -289,7 +286,7 @@ class Op:
         """(name, implementation, skipped) for this call; raises UnsupportedError if an explicit choice cannot run it."""
         platform = current_platform()
         skipped: list[tuple[str, str]] = []
-        for name in self._candidates(backend, platform, args, kwargs):
+        for name in self._candidates(backend, platform, args):
             impl = self.implementation(name) if name in self._refs else f"{name} is not registered for {self.name}"
             reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
             if reason is None:

@@ -133,9 +133,3 @@ def test_tuned_rule_reorders_the_priority_on_its_device_and_shapes_only(monkeypa
     assert op.select("fast_wide", (narrow,), {})[0] == "fast_wide"  # an explicit choice is never overridden
     monkeypatch.setattr(interface, "current_device_kind", lambda: "NVIDIA H100 80GB HBM3")
     assert op.select(None, (narrow,), {})[0] == "fast_wide"
-    # `when` narrows a rule to calls with some options (e.g. causal attention only).
-    causal_only = ops.Tuned(device="NVIDIA H", order=("fast_narrow",), evidence="a test",
-                            when=lambda args, kwargs: kwargs.get("causal", False))
-    monkeypatch.setattr(op, "tuned", (causal_only,))
-    assert op.select(None, (wide,), {"causal": True})[0] == "fast_narrow"
-    assert op.select(None, (wide,), {})[0] == "fast_wide"
