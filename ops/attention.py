@@ -18,7 +18,7 @@ from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 # mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 it was as fast as or
 # faster than pallas_gpu fwd+bwd on every shape of benchmarks/results/attention_H200_cudnn_backend.json
 # (causal B4 T4096 N32 H128: 4.21 vs 4.22 ms; non-causal 7.33 vs 7.77; GQA 3.89 vs 4.21; H64 2.64
-# vs 2.81; H256 2.45 vs 5.47). Mosaic GPU next (it beat Triton on every shape of
+# vs 2.82; H256 2.45 vs 5.47). Mosaic GPU next (it beat Triton on every shape of
 # attention_H200.json), then Triton, which covers every feature.
 _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
 
