@@ -107,6 +107,7 @@ H128_CASES = {
     "full": (1024, 1024, dict()),
     "causal": (1024, 1024, dict(causal=True)),
     "causal_T<S": (512, 1280, dict(causal=True)),
+    "causal_T>S": (1280, 512, dict(causal=True)),  # the first query blocks see no key at all
     "window": (1024, 1024, dict(causal=True, window=(300, 0))),
     "soft_cap": (768, 768, dict(causal=True, logit_soft_cap=20.0)),
 }
@@ -120,6 +121,28 @@ def test_head_dim_128_multi_block(backend, case, deterministic):
     T, S, kwargs = H128_CASES[case]
     args = _qkv(2, T, S, 8, 2, 128, jnp.bfloat16, seed=T + S)
     _check(backend, args, dict(kwargs, deterministic=deterministic))
+
+
+# pallas_gpu's forward runs FA3's overlapped schedule at head_dim 128 only, which the Mosaic GPU
+# interpreter cannot afford here (see test_dtypes_and_head_dims): on CPU these cases run that
+# schedule at head_dim 64 instead (the GPU runs it at 128 in test_head_dim_128_multi_block).
+OVERLAP_CASES = {
+    "full_T<S": (128, 256, dict()),
+    "causal_T>S": (384, 128, dict(causal=True)),
+    "window": (256, 256, dict(causal=True, window=(100, 0))),
+    "soft_cap": (256, 256, dict(causal=True, logit_soft_cap=5.0)),
+}
+
+
+@pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+def test_pallas_gpu_overlapped_schedule_in_interpreter(case, monkeypatch):
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+
+    monkeypatch.setattr(pallas_gpu_attention, "_OVERLAP_HEAD_DIMS", (64,))
+    T, S, kwargs = OVERLAP_CASES[case]
+    # N = 3, K = 3: shapes no other test traces, so no cached trace of the other schedule is reused.
+    _check("pallas_gpu", _qkv(1, T, S, 3, 3, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
 
 
 @pytest.mark.parametrize("Hv", [32, 128])

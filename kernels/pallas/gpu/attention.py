@@ -12,9 +12,14 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
         m' = max(m, rowmax s);  p = exp2(s - m');  l = l*exp2(m - m') + rowsum p
         acc = acc*exp2(m - m') + p v_j            (p cast to the input dtype, wgmma from registers)
     and finally out = acc / l (0 where l = 0), lse = (m + log2 l) * ln 2 (-inf where l = 0),
-    written through SMEM with TMA stores.
-  * WG 2 (producer, 40 registers) streams K and V blocks into a ring of `stages` SMEM slots
-    (per-slot "loaded" barriers filled by TMA, "free" barriers arrived by both consumers).
+    written through SMEM with TMA stores. Without a soft cap the scale stays out of s: one FMA
+    and one exp2 per score.
+  * Schedules (FA3): the two consumers ping-pong on hardware named barriers, one running its
+    softmax while the other has the tensor cores. At H = 128 a WG also overlaps block j's
+    softmax with its own in-flight P_{j-1} V_{j-1} (intra-warpgroup overlap, 240 registers per
+    consumer); at H = 64 and 256 each block is Q K^T, softmax, P V in turn.
+  * WG 2 (producer, 24 registers) streams K and V blocks into a ring of `stages` SMEM slots
+    (per-slot "loaded" mbarriers filled by TMA, "free" named barriers released by both consumers).
   * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
     blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
     masked edge), so causal costs ~half of non-causal.
@@ -36,7 +41,8 @@ Backward (delta = rowsum(dout * out) - dlse and lse * log2(e) are plain jnp ops)
 Interpret mode (FORGEAX_INTERPRET / interpret_mode()): the interpreter cannot run wgmma with a
 register LHS nor `run_state` with `ACC.init` (notes/MOSAIC_GPU.md §8), so there the 16-bit
 probabilities are staged through a per-WG SMEM buffer and every product is added to the
-register accumulator; the barrier/TMA/loop structure is the same as on the GPU.
+register accumulator, the named barriers (which it lacks) become mbarriers or, for the
+ping-pong (scheduling only), nothing; the TMA/loop structure is the same as on the GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
@@ -65,6 +72,18 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 256)
 _BWD_MAX_H = 128
 _SMEM_BUDGET = 200 * 1024
+# Forward schedule (measured on an H200, causal B4 T4096 N32 H128, benchmarks/tune_attention.py,
+# results/attention_H200_forward_schedules.json): FA3's intra-warpgroup overlap (softmax of block j
+# while P_{j-1} V_{j-1} is in flight) gains only with 240 registers per consumer (at 232 ptxas spills
+# and it measured no faster): 0.987 against 1.038 ms, and 1.012 against 1.053 ms in another run, for
+# the sequential ping-pong. At H = 64 it measured slower (0.757 against 0.708 ms); H = 256 lacks the
+# registers. Both schedules keep 2 consumer WGs of 64 rows and K/V blocks of 128.
+_OVERLAP_HEAD_DIMS = (128,)
+# Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
+# 232 + 40 ptxas spilled in the overlapped forward (12 bytes) and in a backward kernel (48 bytes).
+_REGS = (240, 24)
+_FIRST_NAMED_BARRIER = 4  # Mosaic GPU uses 0 (CTA) and 1..num_threads (one per warpgroup)
+_WG_THREADS = 128
 
 
 def _i32(x):
@@ -78,6 +97,83 @@ def _transforms(dtype, swizzle=128):
 
 def _params():
     return plgpu.CompilerParams(approx_math=True)
+
+
+# ----------------------------------------------------------------------------- synchronisation
+
+
+def _named_barrier(op: str, barrier_id, threads: int):
+    """PTX `bar.arrive` (does not block) or `bar.sync` (blocks) on a hardware named barrier,
+    which completes once `threads` threads have arrived or synced on it."""
+    if isinstance(barrier_id, int):
+        plgpu.inline_mgpu()(lambda _: mgpu.utils.inline_ptx(
+            f"bar.{op} {barrier_id}, {threads};", has_side_effects=True, convergent=True))()
+        return
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def emit(_, bid):
+        mgpu.utils.inline_ptx(f"bar.{op} $0, {threads};", bid.registers[()], has_side_effects=True, convergent=True)
+
+    emit(_i32(barrier_id))
+
+
+class _SlotFree:
+    """'This ring slot may be refilled': the consumer warpgroups release a slot after their last
+    read of it, the producer acquires it before the TMA that overwrites it.
+
+    Named barriers (the forward on the GPU): one per slot, counting 128 threads per consumer plus
+    the producer's 128; the consumers pre-release the first `stages` slots so the producer
+    acquires before every load, and release use i only when a load i + stages follows, so
+    arrivals and syncs pair up exactly. Otherwise an mbarrier per slot that the producer waits on
+    from load `stages` on: interpret mode has no named barriers, and the backward kernels
+    measured slower with them (causal B4 T4096 N32 H128 fwd+bwd 4.51 against 4.44 ms).
+    """
+
+    def __init__(self, bars, stages: int, first_id: int, named: bool):
+        self.bars, self.stages, self.first_id, self.named = bars, stages, first_id, named
+
+    @property
+    def next_id(self) -> int:
+        return self.first_id + (self.stages if self.named else 0)
+
+    def _arrive(self, slot):
+        if self.named:
+            _named_barrier("arrive", self.first_id + slot, _WG_THREADS * (_WGS + 1))
+        else:
+            plgpu.barrier_arrive(self.bars.at[slot])
+
+    def prime(self, loads):
+        """Consumers, before their loop over `loads` uses of the ring."""
+        if self.named:
+            for slot in range(self.stages):
+                pl.when(slot < loads)(functools.partial(self._arrive, slot))
+
+    def release(self, slot, i, loads):
+        pl.when(i + self.stages < loads)(lambda: self._arrive(slot))
+
+    def acquire(self, slot, i):
+        if self.named:
+            _named_barrier("sync", self.first_id + slot, _WG_THREADS * (_WGS + 1))
+        else:
+            pl.when(i >= self.stages)(lambda: plgpu.barrier_wait(self.bars.at[slot]))
+
+
+class _PingPong:
+    """FA3's ping-pong between the two consumer warpgroups, on two named barriers: `turn()` waits
+    until the other WG has handed the tensor cores over (`handover()`, which never blocks), so one
+    WG runs its softmax while the other's matmuls run. Scheduling only (no data depends on it):
+    a no-op in interpret mode, which has no named barriers."""
+
+    def __init__(self, wg, first_id: int, enabled: bool):
+        self.wg, self.first_id, self.enabled = wg, first_id, enabled
+
+    def turn(self):
+        if self.enabled:
+            _named_barrier("sync", self.first_id + self.wg, 2 * _WG_THREADS)
+
+    def handover(self):
+        if self.enabled:
+            _named_barrier("arrive", self.first_id + 1 - self.wg, 2 * _WG_THREADS)
 
 
 # ----------------------------------------------------------------------------- block ranges
@@ -169,6 +265,8 @@ class _Mma:
 
         def update(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
+            if after_issue is not None:
+                after_issue()
 
         return pl.run_state(update)(plgpu.ACC.init(acc))
 
@@ -185,6 +283,34 @@ class _Mma:
         return pl.run_state(update)((plgpu.ACC.init(acc), plgpu.ACC.init(_zeros(shape2))))
 
 
+    def overlapped(self, a, b, shape, a2, b2, acc2, between, init, after_issue=None):
+        """(acc2 + a2 @ b2, between(a @ b)), a2 in registers: on the GPU both wgmmas are issued
+        (a @ b first), `after_issue` runs, and `between` runs on a @ b while a2 @ b2 is still in
+        flight (FA3's intra-warpgroup overlap). `init` is shaped like between's result."""
+        if self.interpret:
+            s = self(a, b, shape)
+            acc2 = self(a2, b2, acc2.shape, acc=acc2, a_in_regs=True)
+            if after_issue is not None:
+                after_issue()
+            return acc2, between(s)
+
+        def body(refs):
+            acc_ref, out_refs = refs
+
+            def first(s_ref):
+                plgpu.wgmma(s_ref, a, b)
+                plgpu.wgmma(acc_ref, a2, b2)
+                if after_issue is not None:
+                    after_issue()
+                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # a @ b only
+
+            out = between(pl.run_scoped(first, plgpu.ACC(shape, _F32)))
+            for ref, value in zip(jax.tree.leaves(out_refs), jax.tree.leaves(out)):
+                ref[...] = value
+
+        return pl.run_state(body)((plgpu.ACC.init(acc2), init))
+
+
 def _zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, _F32), plgpu.Layout.WGMMA)
 
@@ -197,12 +323,21 @@ def _bcast(v, shape, dim):
     return lax.broadcast_in_dim(v, shape, [dim])
 
 
-def _logits2(x, spec: AttentionSpec):
-    """Raw q.k products -> logits in the log2 domain (scale, soft cap, * log2 e)."""
+def _scores(x, spec: AttentionSpec):
+    """Raw q.k products -> (s, c) with log2-domain logits s * c (scale * log2 e, soft cap).
+
+    Without a soft cap s stays raw and c = scale * log2 e, so that `_exp2(s, c, m)` is one FMA
+    and an exp2 per element (the softmax, not the tensor cores, bounds these kernels); with
+    one, s are the capped logits and c = 1."""
     if spec.logit_soft_cap is None:
-        return x * (spec.scale * _LOG2E)
+        return x, spec.scale * _LOG2E
     cap = spec.logit_soft_cap
-    return jnp.tanh(x * (spec.scale / cap)) * (cap * _LOG2E)
+    return jnp.tanh(x * (spec.scale / cap)) * (cap * _LOG2E), 1.0
+
+
+def _exp2(s, c: float, m):
+    """exp2(s * c - m)."""
+    return jnp.exp2((s * c if c != 1.0 else s) - m)
 
 
 def _cap_grad(s2, spec: AttentionSpec):
@@ -228,68 +363,123 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     stages = _stages(2 * bkv * H * item, _CTA * H * item)
     band = _Band.forward(spec, T, S)
     interpret = interpret_enabled()
+    overlap = H in _OVERLAP_HEAD_DIMS
 
     def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, stage,
-               q_bar, k_bar, v_bar, k_free, v_free, sched):
+               q_bar, k_bar, v_bar, k_free, v_free):
         b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
         # Last query blocks first: under causal masking they are the longest, so the tail of
-        # the grid is made of short CTAs.
+        # the grid is made of short CTAs (measured: shortest first is 1.6x slower).
         r0 = (T // _CTA - 1 - lax.axis_index("q")) * _CTA
         lo, full_lo, full_hi, hi = band.blocks(r0, _CTA, bkv, S)
+        if overlap:
+            # The overlapped schedule peels the first block: a CTA whose rows see no key (causal
+            # with T > S, windows) still visits one block, fully masked (zero output, lse -inf).
+            lo = jnp.minimum(lo, S // bkv - 1)
+            hi = jnp.maximum(hi, lo + 1)
         steps = hi - lo
+        k_ring = _SlotFree(k_free, stages, _FIRST_NAMED_BARRIER, not interpret)
+        v_ring = _SlotFree(v_free, stages, k_ring.next_id, not interpret)
+        sched = _PingPong(wg, v_ring.next_id, not interpret)
 
-        @pl.when(wg < _WGS)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            rows = r0 + wg * _ROWS
-            q_s = qo_smem.at[wg]
-            mma = _Mma(interpret, None if stage is None else stage.at[wg])
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, _ROWS), n], q_s, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
+        def softmax(s, m, l, rows, j, masked):
+            """Online softmax of key block j: (p, m', l', alpha) with m' = max(m, rowmax s),
+            p = exp2(s - m'), alpha = exp2(m - m'), l' = l alpha + rowsum p (log2 domain)."""
+            s, c = _scores(s, spec)
+            if masked:
+                s = jnp.where(band.mask(rows, j * bkv, s.shape), s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
+            m_use = m_new
+            if masked:  # a row may have seen no key yet: keep exp2 away from -inf - -inf
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_use)
+            p = _exp2(s, c, _bcast(m_use, s.shape, 0))
+            return p, m_new, l * alpha + jnp.sum(p, axis=1), alpha
 
-            # FA3 ping-pong: `sched` (2 arrivals) alternates the two consumers so that one runs
-            # its softmax while the other has the tensor cores. WG 1 starts one phase behind and
-            # WG 0 catches up after the loop; both visit the same blocks, so arrivals pair up.
-            def sync():
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(sched)
-
-            pl.when(wg == 1)(sync)
+        def sequential(rows, q_s, mma, m, l):
+            """Ping-pong per block: Q K_j^T, softmax, P_j V_j; a WG waits for its turn before P V."""
+            pl.when(wg == 1)(sched.turn)  # WG 1 starts one turn behind
 
             def step(j, carry, masked):
                 acc, m, l = carry
                 i = j - lo
                 slot = lax.rem(i, _i32(stages))
-                release = i + stages < steps
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sync)
-                s = _logits2(s, spec)
-                pl.when(release)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
-                if masked:
-                    s = jnp.where(band.mask(rows, j * bkv, s.shape), s, -jnp.inf)
-                m_new = jnp.maximum(m, jnp.max(s, axis=1))
-                m_use = m_new
-                if masked:  # a row may have seen no key yet: keep exp2 away from -inf - -inf
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s - _bcast(m_use, s.shape, 0))
+                s = mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
+                k_ring.release(slot, i, steps)
+                p, m, l_new, alpha = softmax(s, m, l, rows, j, masked)
                 acc = acc * _bcast(alpha, acc.shape, 0)
                 p16 = p.astype(dt)
                 if H <= 128:  # finish the softmax before handing over the tensor cores
-                    l = l * alpha + jnp.sum(p, axis=1)
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                plgpu.barrier_arrive(sched)  # softmax done
+                    l = l_new
+                    acc, l, m, p16 = lax.optimization_barrier((acc, l, m, p16))
                 plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched)  # the other consumer's QK^T is issued
+                sched.turn()
                 if H > 128:
-                    l = l * alpha + jnp.sum(p, axis=1)
+                    l = l_new
                 acc = mma(p16, v_smem.at[slot], (_ROWS, H), acc=acc, a_in_regs=True)
-                pl.when(release)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
-                return acc, m_new, l
+                v_ring.release(slot, i, steps)
+                return acc, m, l
 
-            carry = (_zeros((_ROWS, H)), _full_rows(_ROWS, -jnp.inf, 1), _full_rows(_ROWS, 0.0, 1))
-            acc, m, l = _three_loops(lo, full_lo, full_hi, hi, step, carry, band)
-            pl.when(wg == 0)(sync)
+            acc, m, l = _three_loops(lo, full_lo, full_hi, hi, step, (_zeros((_ROWS, H)), m, l), band)
+            pl.when(wg == 0)(sched.handover)  # WG 1's last turn
+            return acc, m, l
+
+        def overlapped(rows, q_s, mma, m, l):
+            """FA3's schedule: in its turn a WG issues Q K_j^T and P_{j-1} V_{j-1} together, hands
+            the tensor cores over, runs block j's softmax while its P V is still in flight, then
+            rescales. Interpret mode runs the same order synchronously."""
+            pl.when(wg == 1)(sched.handover)  # WG 0 takes the first turn
+            plgpu.barrier_wait(k_bar.at[0])
+            sched.turn()
+            s = mma(q_s, k_smem.at[0].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
+            k_ring.release(0, 0, steps)
+            p, m, l, _ = softmax(s, m, l, rows, lo, band.a is not None or band.b is not None)
+
+            def step(j, carry, masked):
+                acc, m, l, p_prev = carry
+                i = j - lo
+                slot, prev = lax.rem(i, _i32(stages)), lax.rem(i - 1, _i32(stages))
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+                sched.turn()
+
+                def between(s):  # runs while P_{j-1} V_{j-1} is in flight
+                    k_ring.release(slot, i, steps)
+                    p, m_new, l_new, alpha = softmax(s, m, l, rows, j, masked)
+                    return p.astype(dt), m_new, l_new, alpha
+
+                acc, (p16, m, l, alpha) = mma.overlapped(
+                    q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), p_prev, v_smem.at[prev], acc,
+                    between, (p_prev, m, l, m), after_issue=sched.handover)
+                v_ring.release(prev, i - 1, steps)
+                return acc * _bcast(alpha, acc.shape, 0), m, l, p16
+
+            first = lo + 1  # block lo was the prologue
+            mid_lo = jnp.maximum(full_lo, first)
+            acc, m, l, p16 = _three_loops(first, mid_lo, jnp.maximum(full_hi, mid_lo), hi, step,
+                                          (_zeros((_ROWS, H)), m, l, p.astype(dt)), band)
+            last = lax.rem(steps - 1, _i32(stages))
+            plgpu.barrier_wait(v_bar.at[last])
+            sched.turn()
+            # WG 1 started with a handover: it skips its last one so that arrivals pair up.
+            acc = mma(p16, v_smem.at[last], (_ROWS, H), acc=acc, a_in_regs=True,
+                      after_issue=lambda: pl.when(wg == 0)(sched.handover))
+            v_ring.release(last, steps - 1, steps)
+            return acc, m, l
+
+        @pl.when(wg < _WGS)
+        def _consumer():
+            plgpu.set_max_registers(_REGS[0], action="increase")
+            rows = r0 + wg * _ROWS
+            q_s = qo_smem.at[wg]
+            mma = _Mma(interpret, None if stage is None else stage.at[wg])
+            k_ring.prime(steps)
+            v_ring.prime(steps)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, _ROWS), n], q_s, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            loop = overlapped if overlap else sequential
+            acc, m, l = loop(rows, q_s, mma, _full_rows(_ROWS, -jnp.inf, 1), _full_rows(_ROWS, 0.0, 1))
             seen = l > 0.0
             inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
             q_s[...] = (acc * _bcast(inv, acc.shape, 0)).astype(dt)
@@ -301,23 +491,15 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
 
         @pl.when(wg == _WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_REGS[1], action="decrease")
             kh = lax.div(n, _i32(G))
 
             def load(i, c):
                 slot = lax.rem(i, _i32(stages))
                 keys = (b, pl.ds((lo + i) * bkv, bkv), kh)
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-
+                k_ring.acquire(slot, i)
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-
+                v_ring.acquire(slot, i)
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
                 return c
 
@@ -339,7 +521,6 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=_WGS),
         ]
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
 
@@ -383,9 +564,13 @@ def _dkv(q, k, v, do, lse2, delta, spec):
         lo, full_lo, full_hi, hi = band.blocks(s0, _CTA, bq, T)
         per_head = hi - lo
 
+        ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
+        loads = G * per_head
+
         @pl.when(wg < _WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_REGS[0], action="increase")
+            ring.prime(loads)
             keys = s0 + wg * _ROWS
             k_s, v_s = k_smem.at[wg], v_smem.at[wg]
             mma = _Mma(interpret, None if stage is None else stage.at[wg])
@@ -400,9 +585,9 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                     i = g * per_head + j - lo
                     slot = lax.rem(i, _i32(stages))
                     plgpu.barrier_wait(loaded.at[slot])
-                    st = _logits2(mma(k_s, q_smem.at[slot].transpose((1, 0)), (_ROWS, bq)), spec)
+                    st, c = _scores(mma(k_s, q_smem.at[slot].transpose((1, 0)), (_ROWS, bq)), spec)
                     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                    pt = jnp.exp2(st - _bcast(lse, st.shape, 1))
+                    pt = _exp2(st, c, _bcast(lse, st.shape, 1))
                     if masked:
                         pt = jnp.where(band.mask(keys, j * bq, st.shape), pt, 0.0)
                     do_t = do_smem.at[slot].transpose((1, 0))
@@ -412,7 +597,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                     if spec.logit_soft_cap is not None:
                         dst = dst * _cap_grad(st, spec)
                     dk = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=dk, a_in_regs=True)
-                    pl.when(i + stages < G * per_head)(lambda: plgpu.barrier_arrive(free.at[slot]))
+                    ring.release(slot, i, loads)
                     return dk, dv
 
                 return _three_loops(lo, full_lo, full_hi, hi, step, carry, band)
@@ -427,17 +612,13 @@ def _dkv(q, k, v, do, lse2, delta, spec):
 
         @pl.when(wg == _WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_REGS[1], action="decrease")
 
             def load(i, c):
                 slot = lax.rem(i, _i32(stages))
                 n = kh * G + lax.div(i, jnp.maximum(per_head, 1))
                 t0 = (lo + lax.rem(i, jnp.maximum(per_head, 1))) * bq
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
-
+                ring.acquire(slot, i)
                 rows = (b, pl.ds(t0, bq), n)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
@@ -445,7 +626,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                 plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(t0, bq)], delta_smem.at[slot], loaded.at[slot])
                 return c
 
-            lax.fori_loop(0, G * per_head, load, None)
+            lax.fori_loop(0, loads, load, None)
 
     tr = _transforms(dt)
 
@@ -497,9 +678,12 @@ def _dq(q, k, v, do, lse2, delta, spec):
         lo, full_lo, full_hi, hi = band.blocks(r0, _CTA, bkv, S)
         steps = hi - lo
 
+        ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
+
         @pl.when(wg < _WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_REGS[0], action="increase")
+            ring.prime(steps)
             rows = r0 + wg * _ROWS
             q_s, do_s = q_smem.at[wg], do_smem.at[wg]
             mma = _Mma(interpret, None if stage is None else stage.at[wg])
@@ -516,8 +700,8 @@ def _dq(q, k, v, do, lse2, delta, spec):
                 i = j - lo
                 slot = lax.rem(i, _i32(stages))
                 plgpu.barrier_wait(loaded.at[slot])
-                s = _logits2(mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv)), spec)
-                p = jnp.exp2(s - _bcast(lse, s.shape, 0))
+                s, c = _scores(mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv)), spec)
+                p = _exp2(s, c, _bcast(lse, s.shape, 0))
                 if masked:
                     p = jnp.where(band.mask(rows, j * bkv, s.shape), p, 0.0)
                 dp = mma(do_s, v_smem.at[slot].transpose((1, 0)), (_ROWS, bkv))
@@ -525,7 +709,7 @@ def _dq(q, k, v, do, lse2, delta, spec):
                 if spec.logit_soft_cap is not None:
                     ds = ds * _cap_grad(s, spec)
                 dq = mma(ds.astype(dt), k_smem.at[slot], (_ROWS, H), acc=dq, a_in_regs=True)
-                pl.when(i + stages < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+                ring.release(slot, i, steps)
                 return dq
 
             dq = _three_loops(lo, full_lo, full_hi, hi, step, _zeros((_ROWS, H)), band)
@@ -536,16 +720,12 @@ def _dq(q, k, v, do, lse2, delta, spec):
 
         @pl.when(wg == _WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_REGS[1], action="decrease")
             kh = lax.div(n, _i32(G))
 
             def load(i, c):
                 slot = lax.rem(i, _i32(stages))
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
-
+                ring.acquire(slot, i)
                 keys = (b, pl.ds((lo + i) * bkv, bkv), kh)
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], loaded.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], loaded.at[slot])
