@@ -15,11 +15,12 @@ from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 # Priority on each platform, best first (xla is always the fallback). The xla entry on CPU/GPU/TPU
 # is the materialised reference; "xla_chunked" is the linear-memory XLA version.
 # GPU: cuDNN (through XLA) first for the calls it computes exactly (see its supports(): no bias,
-# mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 it was as fast as or
-# faster than pallas_gpu fwd+bwd on every shape of benchmarks/results/attention_H200_cudnn_backend.json
-# (causal B4 T4096 N32 H128: 4.21 vs 4.22 ms; non-causal 7.33 vs 7.77; GQA 3.89 vs 4.21; H64 2.64
-# vs 2.82; H256 2.45 vs 5.47). Mosaic GPU next (it beat Triton on every shape of
-# attention_H200.json), then Triton, which covers every feature.
+# mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 its fwd+bwd was
+# faster than pallas_gpu's on every shape of benchmarks/results/attention_H200_overlapped_forward.json
+# (causal B4 T4096 N32 H128: 4.07 vs 4.41 ms; non-causal 7.20 vs 8.00; GQA 3.79 vs 4.31; H64 2.60
+# vs 2.84; H256 2.46 vs 5.50), though pallas_gpu's forward alone is faster at head_dim 128 causal
+# (0.985 vs 1.052 ms). Mosaic GPU next (it beat Triton on every shape), then Triton, which
+# covers every feature.
 _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
 
 ATTENTION = define_op(

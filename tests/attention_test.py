@@ -124,9 +124,9 @@ def test_head_dim_128_multi_block(backend, case, deterministic):
 
 
 # pallas_gpu's forward runs FA3's overlapped schedule at head_dim 128 only, which the Mosaic GPU
-# interpreter cannot afford here (see test_dtypes_and_head_dims): on CPU these cases run that
-# schedule at head_dim 64 instead (the GPU runs it at 128 in test_head_dim_128_multi_block).
-OVERLAP_CASES = {
+# interpreter cannot afford here (see test_dtypes_and_head_dims): on CPU these cases run both
+# schedules at head_dim 64 (the GPU runs the overlapped one at 128 in test_head_dim_128_multi_block).
+SCHEDULE_CASES = {
     "full_T<S": (128, 256, dict()),
     "causal_T>S": (384, 128, dict(causal=True)),
     "window": (256, 256, dict(causal=True, window=(100, 0))),
@@ -135,14 +135,17 @@ OVERLAP_CASES = {
 
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
-@pytest.mark.parametrize("case", OVERLAP_CASES)
-def test_pallas_gpu_overlapped_schedule_in_interpreter(case, monkeypatch):
+@pytest.mark.parametrize("schedule", ["overlapped", "sequential"])
+@pytest.mark.parametrize("case", SCHEDULE_CASES)
+def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, monkeypatch):
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
 
-    monkeypatch.setattr(pallas_gpu_attention, "_OVERLAP_HEAD_DIMS", (64,))
-    T, S, kwargs = OVERLAP_CASES[case]
-    # N = 3, K = 3: shapes no other test traces, so no cached trace of the other schedule is reused.
-    _check("pallas_gpu", _qkv(1, T, S, 3, 3, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
+    monkeypatch.setattr(pallas_gpu_attention, "_OVERLAP_HEAD_DIMS", (64,) if schedule == "overlapped" else ())
+    T, S, kwargs = SCHEDULE_CASES[case]
+    # K = N = 3 (overlapped) or 1 (sequential): shapes no other test traces, so no cached trace of
+    # the other schedule is reused.
+    heads = 3 if schedule == "overlapped" else 1
+    _check("pallas_gpu", _qkv(1, T, S, heads, heads, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
 
 
 @pytest.mark.parametrize("Hv", [32, 128])

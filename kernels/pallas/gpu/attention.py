@@ -77,7 +77,9 @@ _SMEM_BUDGET = 200 * 1024
 # while P_{j-1} V_{j-1} is in flight) gains only with 240 registers per consumer (at 232 ptxas spills
 # and it measured no faster): 0.987 against 1.038 ms, and 1.012 against 1.053 ms in another run, for
 # the sequential ping-pong. At H = 64 it measured slower (0.757 against 0.708 ms); H = 256 lacks the
-# registers. Both schedules keep 2 consumer WGs of 64 rows and K/V blocks of 128.
+# registers. Both schedules keep 2 consumer WGs of 64 rows and K/V blocks of 128, one query tile
+# per CTA: two tiles per CTA (a long causal tile and its short partner sharing one K/V ring)
+# measured 1.66 against 0.95 ms and was dropped.
 _OVERLAP_HEAD_DIMS = (128,)
 # Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
 # 232 + 40 ptxas spilled in the overlapped forward (12 bytes) and in a backward kernel (48 bytes).
