@@ -284,7 +284,6 @@ class _Mma:
 
         return pl.run_state(update)((plgpu.ACC.init(acc), plgpu.ACC.init(_zeros(shape2))))
 
-
     def overlapped(self, a, b, shape, a2, b2, acc2, between, init, after_issue=None):
         """(acc2 + a2 @ b2, between(a @ b)), a2 in registers: on the GPU both wgmmas are issued
         (a @ b first), `after_issue` runs, and `between` runs on a @ b while a2 @ b2 is still in
@@ -329,7 +328,7 @@ def _scores(x, spec: AttentionSpec):
     """Raw q.k products -> (s, c) with log2-domain logits s * c (scale * log2 e, soft cap).
 
     Without a soft cap s stays raw and c = scale * log2 e, so that `_exp2(s, c, m)` is one FMA
-    and an exp2 per element (the softmax, not the tensor cores, bounds these kernels); with
+    and an exp2 per element (the softmax's ALU work sits between the matmuls); with
     one, s are the capped logits and c = 1."""
     if spec.logit_soft_cap is None:
         return x, spec.scale * _LOG2E
