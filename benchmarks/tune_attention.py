@@ -31,10 +31,10 @@ MODULES = {"pallas_gpu": "forgeax.kernels.pallas.gpu.attention", "triton": "forg
 
 
 def _parse(variant: str) -> dict[str, int | tuple[int, ...]]:
-    """'NAME=1,OTHER=240:24' -> {NAME: 1, OTHER: (240, 24)}."""
+    """'NAME=1,OTHER=240:24,NONE=()' -> {NAME: 1, OTHER: (240, 24), NONE: ()}."""
     if variant == "default":
         return {}
-    value = lambda v: tuple(int(x) for x in v.split(":")) if ":" in v else int(v)
+    value = lambda v: () if v == "()" else tuple(int(x) for x in v.split(":")) if ":" in v else int(v)
     return {name: value(v) for name, v in (item.split("=") for item in variant.split(","))}
 
 

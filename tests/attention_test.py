@@ -123,6 +123,27 @@ def test_head_dim_128_multi_block(backend, case, deterministic):
     _check(backend, args, dict(kwargs, deterministic=deterministic))
 
 
+# pallas_gpu's persistent forward (off by default, see _PERSISTENT_HEAD_DIMS) at head_dim 64: more
+# tiles than the GPU has SMs, so CTAs run several tiles each from the balanced table (the
+# interpreter runs it with 2 CTAs on small shapes).
+PERSISTENT_CASES = {
+    "causal": (2048, 2048, dict(causal=True)),
+    "full_T<S": (1024, 2048, dict()),
+    "causal_T>S": (2048, 1024, dict(causal=True)),
+    "window": (2048, 2048, dict(causal=True, window=(300, 0))),
+}
+
+
+@pytest.mark.skipif(ON_CPU or "pallas_gpu" not in BACKENDS, reason="GPU only: hundreds of tiles")
+@pytest.mark.parametrize("case", PERSISTENT_CASES)
+def test_pallas_gpu_persistent_forward(case, monkeypatch):
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+
+    monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_HEAD_DIMS", (64,))
+    T, S, kwargs = PERSISTENT_CASES[case]
+    _check("pallas_gpu", _qkv(2, T, S, 16, 4, 64, jnp.bfloat16, seed=T + 5 * S), kwargs)
+
+
 # pallas_gpu's forward runs FA3's overlapped schedule at head_dim 128 only, which the Mosaic GPU
 # interpreter cannot afford here (see test_dtypes_and_head_dims): on CPU these cases run both
 # schedules at head_dim 64 (the GPU runs the overlapped one at 128 in test_head_dim_128_multi_block).
@@ -135,17 +156,38 @@ SCHEDULE_CASES = {
 
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
+@pytest.mark.parametrize("grid", ["persistent", "per_tile"])
 @pytest.mark.parametrize("schedule", ["overlapped", "sequential"])
 @pytest.mark.parametrize("case", SCHEDULE_CASES)
-def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, monkeypatch):
+def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, grid, monkeypatch):
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
 
     monkeypatch.setattr(pallas_gpu_attention, "_OVERLAP_HEAD_DIMS", (64,) if schedule == "overlapped" else ())
+    monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_HEAD_DIMS", (64,) if grid == "persistent" else ())
     T, S, kwargs = SCHEDULE_CASES[case]
-    # K = N = 3 (overlapped) or 1 (sequential): shapes no other test traces, so no cached trace of
-    # the other schedule is reused.
-    heads = 3 if schedule == "overlapped" else 1
+    # K = N in {3, 1, 5, 2}, one per (schedule, grid): shapes no other test traces, so no cached
+    # trace of another variant is reused. The interpreter's persistent grid has 2 CTAs.
+    heads = {("overlapped", "per_tile"): 3, ("sequential", "per_tile"): 1,
+             ("overlapped", "persistent"): 5, ("sequential", "persistent"): 2}[schedule, grid]
     _check("pallas_gpu", _qkv(1, T, S, heads, heads, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 132])
+def test_pallas_gpu_persistent_balance(ctas):
+    """The persistent kernels' tile table: every tile exactly once, each CTA's tiles in order of
+    decreasing length, and (LPT greedy) no CTA more than one tile's cost above the lightest."""
+    from forgeax.kernels.pallas.gpu.attention import _balance
+
+    rng = np.random.default_rng(ctas)
+    steps = np.concatenate([np.repeat(np.arange(32, 0, -1), 128), rng.integers(0, 40, 77)])
+    table = _balance(steps, ctas)
+    counts, ids = table[:, 0], table[:, 1:]
+    assigned = np.concatenate([ids[c, :n] for c, n in enumerate(counts)])
+    np.testing.assert_array_equal(np.sort(assigned), np.arange(len(steps)))
+    work = np.array([(steps[ids[c, :n]] + 1).sum() for c, n in enumerate(counts)])
+    assert work.max() - work.min() <= steps.max() + 1
+    for c, n in enumerate(counts):
+        assert np.all(np.diff(steps[ids[c, :n]]) <= 0)
 
 
 @pytest.mark.parametrize("Hv", [32, 128])

@@ -20,6 +20,9 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     consumer); at H = 64 and 256 each block is Q K^T, softmax, P V in turn.
   * WG 2 (producer, 24 registers) streams K and V blocks into a ring of `stages` SMEM slots
     (per-slot "loaded" mbarriers filled by TMA, "free" named barriers released by both consumers).
+  * One CTA per tile; a persistent grid (one CTA per SM, tiles balanced longest first:
+    `_balance`, so the next tile's loads overlap the current tile's end) is built and tested in
+    the interpreter but off on the GPU (see `_PERSISTENT_HEAD_DIMS`).
   * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
     blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
     masked edge), so causal costs ~half of non-causal.
@@ -49,10 +52,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
@@ -81,6 +86,18 @@ _SMEM_BUDGET = 200 * 1024
 # per CTA: two tiles per CTA (a long causal tile and its short partner sharing one K/V ring)
 # measured 1.66 against 0.95 ms and was dropped.
 _OVERLAP_HEAD_DIMS = (128,)
+# Persistent forward (`_Schedule`): one CTA per SM runs the tiles `_balance` gives it, so the
+# producer streams the next tile's K/V while the consumers finish the current tile, and a consumer
+# loads its next Q during its last P V. Measured on an H200 (benchmarks/tune_attention.py, causal,
+# results/attention_H200_persistent_forward.json): at H = 64 (sequential schedule) 0.685-0.73
+# against 0.78-0.79 ms for one CTA per tile; at H = 128 the overlapped loop spills 56 bytes when
+# persistent and ran 1.137 against 1.079 ms (GQA 0.931 against 0.926). Persistent dK/dV and dQ
+# kernels measured slower too (fwd+bwd 4.72 against 4.60 ms) and were not kept.
+# OFF for now: the GPU run of test_pallas_gpu_persistent_forward timed out (at causal T > S, whose
+# first tiles see no key), which led to the ping-pong hazard `_PingPong.realign` now closes; that
+# fix has not run on a GPU yet. Enable (64,) once that test passes there.
+_PERSISTENT_HEAD_DIMS = ()
+_INTERPRET_CTAS = 2  # interpret mode: two CTAs, most with several tiles (uneven counts)
 # Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
 # 232 + 40 ptxas spilled in the overlapped forward (12 bytes) and in a backward kernel (48 bytes).
 _REGS = (240, 24)
@@ -177,6 +194,13 @@ class _PingPong:
         if self.enabled:
             _named_barrier("arrive", self.first_id + 1 - self.wg, 2 * _WG_THREADS)
 
+    def realign(self):
+        """Both consumers meet (persistent grid, before each tile). Without it, WG 0 could hand
+        over at the end of one tile and again in the next before WG 1's matching turn, and a
+        named barrier would count those two arrivals as one completed phase."""
+        if self.enabled:
+            _named_barrier("sync", self.first_id + 2, 2 * _WG_THREADS)
+
 
 # ----------------------------------------------------------------------------- block ranges
 
@@ -234,6 +258,85 @@ def _three_loops(lo, full_lo, full_hi, hi, step, carry, band: _Band):
     carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+def _num_sms() -> int:
+    """SMs of the local GPU (the persistent grid); 132 (H100/H200 SXM) when lowering without one."""
+    try:
+        return jax.local_devices(backend="gpu")[0].core_count
+    except RuntimeError:
+        return 132
+
+
+def _unravel(t, dims):
+    """Tile id -> one index per axis of `dims`, the first axis fastest."""
+    idx = []
+    for d in dims[:-1]:
+        idx.append(lax.rem(t, _i32(d)))
+        t = lax.div(t, _i32(d))
+    return (*idx, t)
+
+
+def _balance(steps: np.ndarray, ctas: int) -> np.ndarray:
+    """Longest-processing-time-first assignment of tiles to CTAs: tiles by decreasing cost (their
+    ring uses plus one for the prologue/epilogue), each to the CTA with the least work so far, ties
+    to the lower tile id (so tiles that start together are neighbours: heads of one block, L2
+    reuse). With round robin (tile i on CTA i mod #SMs) the GQA shape (few tiles per CTA, unequal
+    causal lengths) ran 0.999 against 0.892 ms per tile; balanced, 0.936 against 0.970 ms.
+    Returns [ctas, 1 + R] int32: each CTA's tile count, then its tile ids in the order to run."""
+    heap = [(0, c) for c in range(ctas)]
+    lists = [[] for _ in range(ctas)]
+    for t in np.argsort(-steps, kind="stable"):
+        work, c = heapq.heappop(heap)
+        lists[c].append(t)
+        heapq.heappush(heap, (work + int(steps[t]) + 1, c))
+    table = np.zeros((ctas, 1 + max(map(len, lists))), np.int32)
+    for c, ts in enumerate(lists):
+        table[c, 0] = len(ts)
+        table[c, 1:1 + len(ts)] = ts
+    return table
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+    """Which tiles the CTA on grid axis "cta" runs: tile cta only (one CTA per tile), or
+    (persistent, ctas = #SMs) the tiles `_balance` gives it, read from a table input."""
+
+    ctas: int
+    table: np.ndarray | None
+
+    @classmethod
+    def of(cls, steps_of, tiles: int, persistent: bool, interpret: bool) -> "_Schedule":
+        """steps_of(tile id) -> the tile's ring uses (traceable, evaluated here for every tile)."""
+        ctas = min(tiles, _INTERPRET_CTAS if interpret else _num_sms())
+        if not persistent or ctas == tiles:
+            return cls(tiles, None)
+        with jax.ensure_compile_time_eval():
+            steps = np.asarray(jax.vmap(steps_of)(jnp.arange(tiles, dtype=jnp.int32)))
+        return cls(ctas, _balance(steps, ctas))
+
+    def input(self) -> jax.Array:
+        """The table, an extra kernel input (a placeholder when there is none)."""
+        return jnp.asarray(np.zeros((1, 1), np.int32) if self.table is None else self.table)
+
+    def run(self, table_ref, body):
+        """body(kk, tile id, base) -> base + the ring uses of that tile, over this CTA's tiles
+        (base: the ring uses of its earlier tiles, so ring slots and barrier phases carry on)."""
+        cta = lax.axis_index("cta")
+        if self.table is None:
+            return body(_i32(0), cta, _i32(0))
+        return lax.fori_loop(0, table_ref[cta, 0], lambda kk, base: body(kk, table_ref[cta, kk + 1], base), _i32(0))
+
+    def total(self, table_ref, steps_of):
+        """Ring uses of all this CTA's tiles."""
+        return self.run(table_ref, lambda kk, t, base: base + steps_of(t))
+
+    def has_next(self, table_ref, kk):
+        return kk + 1 < (1 if self.table is None else table_ref[lax.axis_index("cta"), 0])
+
+    def tile(self, table_ref, kk):
+        cta = lax.axis_index("cta")
+        return cta if self.table is None else table_ref[cta, kk + 1]
 
 
 # ----------------------------------------------------------------------------- wgmma helper
@@ -354,6 +457,24 @@ def _stages(per_stage: int, fixed: int, cap: int = 3) -> int:
 # ----------------------------------------------------------------------------- forward
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """One forward work item: 128 query rows [r0, r0 + 128) of head n of batch b, and the key
+    blocks it visits (`_Band.blocks`)."""
+
+    b: jax.Array
+    n: jax.Array
+    r0: jax.Array
+    lo: jax.Array
+    full_lo: jax.Array
+    full_hi: jax.Array
+    hi: jax.Array
+
+    @property
+    def steps(self):
+        return self.hi - self.lo
+
+
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
     del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed  # refused by _supports
     B, T, N, H = q.shape
@@ -361,24 +482,37 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     G, dt = N // K, q.dtype
     bkv = 128 if H <= 128 else 64
     item = jnp.dtype(dt).itemsize
-    stages = _stages(2 * bkv * H * item, _CTA * H * item)
+    per_stage, q_bytes = 2 * bkv * H * item, _CTA * H * item
+    # A separate output buffer lets a consumer load its next Q tile before its last P V; where
+    # it would leave fewer than 2 ring stages (H = 256) the output goes out through Q's buffer.
+    separate_out = _SMEM_BUDGET - 2 * q_bytes >= 2 * per_stage
+    stages = _stages(per_stage, (2 if separate_out else 1) * q_bytes)
     band = _Band.forward(spec, T, S)
     interpret = interpret_enabled()
     overlap = H in _OVERLAP_HEAD_DIMS
+    q_tiles = T // _CTA
 
-    def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, stage,
-               q_bar, k_bar, v_bar, k_free, v_free):
-        b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-        # Last query blocks first: under causal masking they are the longest, so the tail of
-        # the grid is made of short CTAs (measured: shortest first is 1.6x slower).
-        r0 = (T // _CTA - 1 - lax.axis_index("q")) * _CTA
+    def tile(t) -> _Tile:
+        """Tile t, heads fastest; the last query blocks come first: under causal masking they are
+        the longest, so the tail of the schedule is made of short tiles (measured: shortest first
+        is 1.6x slower)."""
+        n, qi, b = _unravel(t, (N, q_tiles, B))
+        r0 = (q_tiles - 1 - qi) * _CTA
         lo, full_lo, full_hi, hi = band.blocks(r0, _CTA, bkv, S)
         if overlap:
-            # The overlapped schedule peels the first block: a CTA whose rows see no key (causal
+            # The overlapped schedule peels the first block: a tile whose rows see no key (causal
             # with T > S, windows) still visits one block, fully masked (zero output, lse -inf).
             lo = jnp.minimum(lo, S // bkv - 1)
             hi = jnp.maximum(hi, lo + 1)
-        steps = hi - lo
+        return _Tile(b, n, r0, lo, full_lo, full_hi, hi)
+
+    schedule = _Schedule.of(lambda t: tile(t).steps, N * q_tiles * B, H in _PERSISTENT_HEAD_DIMS, interpret)
+
+    def kernel(q_ref, k_ref, v_ref, table_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, lse_smem, stage,
+               q_bar, k_bar, v_bar, k_free, v_free):
+        wg = lax.axis_index("wg")
+        # K/V ring uses are numbered across this CTA's tiles: key block j of a tile is use
+        # g = base + j - lo (`_Schedule.run`).
         k_ring = _SlotFree(k_free, stages, _FIRST_NAMED_BARRIER, not interpret)
         v_ring = _SlotFree(v_free, stages, k_ring.next_id, not interpret)
         sched = _PingPong(wg, v_ring.next_id, not interpret)
@@ -397,17 +531,17 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             p = _exp2(s, c, _bcast(m_use, s.shape, 0))
             return p, m_new, l * alpha + jnp.sum(p, axis=1), alpha
 
-        def sequential(rows, q_s, mma, m, l):
+        def sequential(tl, base, total, rows, q_s, mma, m, l, q_free):
             """Ping-pong per block: Q K_j^T, softmax, P_j V_j; a WG waits for its turn before P V."""
             pl.when(wg == 1)(sched.turn)  # WG 1 starts one turn behind
 
             def step(j, carry, masked):
                 acc, m, l = carry
-                i = j - lo
-                slot = lax.rem(i, _i32(stages))
+                g = base + j - tl.lo
+                slot = lax.rem(g, _i32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 s = mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
-                k_ring.release(slot, i, steps)
+                k_ring.release(slot, g, total)
                 p, m, l_new, alpha = softmax(s, m, l, rows, j, masked)
                 acc = acc * _bcast(alpha, acc.shape, 0)
                 p16 = p.astype(dt)
@@ -419,98 +553,134 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
                 if H > 128:
                     l = l_new
                 acc = mma(p16, v_smem.at[slot], (_ROWS, H), acc=acc, a_in_regs=True)
-                v_ring.release(slot, i, steps)
+                v_ring.release(slot, g, total)
                 return acc, m, l
 
-            acc, m, l = _three_loops(lo, full_lo, full_hi, hi, step, (_zeros((_ROWS, H)), m, l), band)
+            carry = (_zeros((_ROWS, H)), m, l)
+            acc, m, l = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band)
             pl.when(wg == 0)(sched.handover)  # WG 1's last turn
+            q_free()
             return acc, m, l
 
-        def overlapped(rows, q_s, mma, m, l):
+        def overlapped(tl, base, total, rows, q_s, mma, m, l, q_free):
             """FA3's schedule: in its turn a WG issues Q K_j^T and P_{j-1} V_{j-1} together, hands
             the tensor cores over, runs block j's softmax while its P V is still in flight, then
             rescales. Interpret mode runs the same order synchronously."""
             pl.when(wg == 1)(sched.handover)  # WG 0 takes the first turn
-            plgpu.barrier_wait(k_bar.at[0])
+            first_slot = lax.rem(base, _i32(stages))
+            plgpu.barrier_wait(k_bar.at[first_slot])
             sched.turn()
-            s = mma(q_s, k_smem.at[0].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
-            k_ring.release(0, 0, steps)
-            p, m, l, _ = softmax(s, m, l, rows, lo, band.a is not None or band.b is not None)
+            s = mma(q_s, k_smem.at[first_slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
+            k_ring.release(first_slot, base, total)
+            p, m, l, _ = softmax(s, m, l, rows, tl.lo, band.a is not None or band.b is not None)
 
             def step(j, carry, masked):
                 acc, m, l, p_prev = carry
-                i = j - lo
-                slot, prev = lax.rem(i, _i32(stages)), lax.rem(i - 1, _i32(stages))
+                g = base + j - tl.lo
+                slot, prev = lax.rem(g, _i32(stages)), lax.rem(g - 1, _i32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[prev])
                 sched.turn()
 
                 def between(s):  # runs while P_{j-1} V_{j-1} is in flight
-                    k_ring.release(slot, i, steps)
+                    k_ring.release(slot, g, total)
                     p, m_new, l_new, alpha = softmax(s, m, l, rows, j, masked)
                     return p.astype(dt), m_new, l_new, alpha
 
                 acc, (p16, m, l, alpha) = mma.overlapped(
                     q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), p_prev, v_smem.at[prev], acc,
                     between, (p_prev, m, l, m), after_issue=sched.handover)
-                v_ring.release(prev, i - 1, steps)
+                v_ring.release(prev, g - 1, total)
                 return acc * _bcast(alpha, acc.shape, 0), m, l, p16
 
-            first = lo + 1  # block lo was the prologue
-            mid_lo = jnp.maximum(full_lo, first)
-            acc, m, l, p16 = _three_loops(first, mid_lo, jnp.maximum(full_hi, mid_lo), hi, step,
+            first = tl.lo + 1  # block lo was the prologue
+            mid_lo = jnp.maximum(tl.full_lo, first)
+            acc, m, l, p16 = _three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, step,
                                           (_zeros((_ROWS, H)), m, l, p.astype(dt)), band)
-            last = lax.rem(steps - 1, _i32(stages))
+            q_free()  # every Q K^T of this tile is done
+            g = base + tl.steps - 1
+            last = lax.rem(g, _i32(stages))
             plgpu.barrier_wait(v_bar.at[last])
             sched.turn()
             # WG 1 started with a handover: it skips its last one so that arrivals pair up.
             acc = mma(p16, v_smem.at[last], (_ROWS, H), acc=acc, a_in_regs=True,
                       after_issue=lambda: pl.when(wg == 0)(sched.handover))
-            v_ring.release(last, steps - 1, steps)
+            v_ring.release(last, g, total)
             return acc, m, l
 
         @pl.when(wg < _WGS)
         def _consumer():
             plgpu.set_max_registers(_REGS[0], action="increase")
-            rows = r0 + wg * _ROWS
-            q_s = qo_smem.at[wg]
+            q_s = q_smem.at[wg]
+            o_s = o_smem.at[wg] if separate_out else q_s
             mma = _Mma(interpret, None if stage is None else stage.at[wg])
-            k_ring.prime(steps)
-            v_ring.prime(steps)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, _ROWS), n], q_s, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
-            loop = overlapped if overlap else sequential
-            acc, m, l = loop(rows, q_s, mma, _full_rows(_ROWS, -jnp.inf, 1), _full_rows(_ROWS, 0.0, 1))
-            seen = l > 0.0
-            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-            q_s[...] = (acc * _bcast(inv, acc.shape, 0)).astype(dt)
-            lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_s, out_ref.at[b, pl.ds(rows, _ROWS), n])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(rows, _ROWS)])
+            total = schedule.total(table_ref, lambda t: tile(t).steps)
+            k_ring.prime(total)
+            v_ring.prime(total)
+
+            def load_q(kk):
+                tl = tile(schedule.tile(table_ref, kk))
+                rows = (tl.b, pl.ds(tl.r0 + wg * _ROWS, _ROWS), tl.n)
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s, q_bar.at[wg])
+
+            load_q(0)
+
+            def one_tile(kk, t, base):
+                tl = tile(t)
+                rows = tl.r0 + wg * _ROWS
+                prefetch = lambda: pl.when(schedule.has_next(table_ref, kk))(functools.partial(load_q, kk + 1))
+                if schedule.table is not None:
+                    sched.realign()
+                plgpu.barrier_wait(q_bar.at[wg])
+                loop = overlapped if overlap else sequential
+                acc, m, l = loop(tl, base, total, rows, q_s, mma, _full_rows(_ROWS, -jnp.inf, 1),
+                                 _full_rows(_ROWS, 0.0, 1), prefetch if separate_out else lambda: None)
+                seen = l > 0.0
+                inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+                if separate_out:  # the previous tile's stores have read o_s and lse_smem
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_s[...] = (acc * _bcast(inv, acc.shape, 0)).astype(dt)
+                lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s, out_ref.at[tl.b, pl.ds(rows, _ROWS), tl.n])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tl.b, tl.n, pl.ds(rows, _ROWS)])
+                if not separate_out:  # Q's buffer holds the output until the store has read it
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    prefetch()
+                return base + tl.steps
+
+            schedule.run(table_ref, one_tile)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _WGS)
         def _producer():
             plgpu.set_max_registers(_REGS[1], action="decrease")
-            kh = lax.div(n, _i32(G))
 
-            def load(i, c):
-                slot = lax.rem(i, _i32(stages))
-                keys = (b, pl.ds((lo + i) * bkv, bkv), kh)
-                k_ring.acquire(slot, i)
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-                v_ring.acquire(slot, i)
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
-                return c
+            def one_tile(kk, t, base):
+                tl = tile(t)
+                kh = lax.div(tl.n, _i32(G))
 
-            lax.fori_loop(0, steps, load, None)
+                def load(i, c):
+                    g = base + i
+                    slot = lax.rem(g, _i32(stages))
+                    keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
+                    k_ring.acquire(slot, g)
+                    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+                    v_ring.acquire(slot, g)
+                    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+                    return c
+
+                lax.fori_loop(0, tl.steps, load, None)
+                return base + tl.steps
+
+            schedule.run(table_ref, one_tile)
 
     tr = _transforms(dt)
 
     def entry(*refs):
         scratch = [
             plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr) if separate_out else None,
             plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
             plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
             plgpu.SMEM((_WGS, _ROWS), _F32),
@@ -528,13 +698,13 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     out, lse = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt), jax.ShapeDtypeStruct((B, N, T), _F32)),
-        grid=(N, T // _CTA, B),
-        grid_names=("heads", "q", "batch"),
+        grid=(schedule.ctas,),
+        grid_names=("cta",),
         num_threads=_WGS + 1,
         thread_name="wg",
         compiler_params=_params(),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v)
+    )(q, k, v, schedule.input())
     return out, lse
 
 
