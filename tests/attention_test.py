@@ -123,7 +123,7 @@ def test_head_dim_128_multi_block(backend, case, deterministic):
     _check(backend, args, dict(kwargs, deterministic=deterministic))
 
 
-# pallas_gpu's persistent forward (off by default, see _PERSISTENT_HEAD_DIMS) at head_dim 64: more
+# pallas_gpu's persistent forward (on at head_dim 64, see _PERSISTENT_HEAD_DIMS; forced here): more
 # tiles than the GPU has SMs, so CTAs run several tiles each from the balanced table (the
 # interpreter runs it with 2 CTAs on small shapes).
 PERSISTENT_CASES = {

@@ -20,9 +20,9 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     consumer); at H = 64 and 256 each block is Q K^T, softmax, P V in turn.
   * WG 2 (producer, 24 registers) streams K and V blocks into a ring of `stages` SMEM slots
     (per-slot "loaded" mbarriers filled by TMA, "free" named barriers released by both consumers).
-  * One CTA per tile; a persistent grid (one CTA per SM, tiles balanced longest first:
-    `_balance`, so the next tile's loads overlap the current tile's end) is built and tested in
-    the interpreter but off on the GPU (see `_PERSISTENT_HEAD_DIMS`).
+  * Grid: at H = 64 persistent (one CTA per SM running the tiles `_balance` gives it, longest
+    first, so the next tile's loads overlap the current tile's end); otherwise one CTA per tile
+    (see `_PERSISTENT_HEAD_DIMS`).
   * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
     blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
     masked edge), so causal costs ~half of non-causal.
@@ -38,8 +38,8 @@ Backward (delta = rowsum(dout * out) - dlse and lse * log2(e) are plain jnp ops)
   * H = 256: dk + dv would need 256 accumulator registers per thread, so the H = 256 backward is
     Triton's fused kernel on the GPU (XLA's chunked backward in interpret mode); the forward
     uses this kernel.
-  * dq is not fused into the dK/dV kernel: an FA3-style one-pass variant (f32 dq accumulated by
-    TMA reduce-adds) measured slower on an H200 (see `_dkv`).
+  * dq is not fused into the dK/dV kernel: FA3-style one-pass variants (f32 dq accumulated by
+    TMA reduce-adds) measured slower on an H200, twice (see `_dkv`).
 
 Interpret mode (FORGEAX_INTERPRET / interpret_mode()): the interpreter cannot run wgmma with a
 register LHS nor `run_state` with `ACC.init` (notes/MOSAIC_GPU.md §8), so there the 16-bit
@@ -93,10 +93,10 @@ _OVERLAP_HEAD_DIMS = (128,)
 # against 0.78-0.79 ms for one CTA per tile; at H = 128 the overlapped loop spills 56 bytes when
 # persistent and ran 1.137 against 1.079 ms (GQA 0.931 against 0.926). Persistent dK/dV and dQ
 # kernels measured slower too (fwd+bwd 4.72 against 4.60 ms) and were not kept.
-# OFF for now: the GPU run of test_pallas_gpu_persistent_forward timed out (at causal T > S, whose
-# first tiles see no key), which led to the ping-pong hazard `_PingPong.realign` now closes; that
-# fix has not run on a GPU yet. Enable (64,) once that test passes there.
-_PERSISTENT_HEAD_DIMS = ()
+# On at H = 64 only. An earlier GPU run of test_pallas_gpu_persistent_forward stalled (at causal
+# T > S, whose first tiles see no key): the ping-pong hazard `_PingPong.realign` closes; with it the
+# test passed on an H200 (4 cases, 256-512 tiles on 132 CTAs).
+_PERSISTENT_HEAD_DIMS = (64,)
 _INTERPRET_CTAS = 2  # interpret mode: two CTAs, most with several tiles (uneven counts)
 # Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
 # 232 + 40 ptxas spilled in the overlapped forward (12 bytes) and in a backward kernel (48 bytes).
@@ -714,10 +714,14 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
 def _dkv(q, k, v, do, lse2, delta, spec):
     """(dk, dv) [B, S, K, H]: one CTA per 128 keys of one (b, kv head), dk and dv in registers.
 
-    A one-pass variant that also added each CTA's ds k into an f32 dq with TMA reduce-adds (5
-    matmuls instead of 7, FA3-style) was built and measured slower on an H200 (causal B4 T4096
-    N32 H128 fwd+bwd: 5.47 ms, or 5.58 ms with no cross-warpgroup barrier, against 4.22 ms for
-    these two kernels), so dq stays a separate, deterministic kernel.
+    One-pass variants that also add each CTA's ds k into an f32 dq with TMA reduce-adds (5
+    matmuls instead of 7, FA3-style) were built and measured slower on an H200 (causal B4 T4096
+    N32 H128 fwd+bwd, against these two kernels in the same run): 5.47 ms (5.58 with no
+    cross-warpgroup barrier) against 4.22; and, redone with both warpgroups' ds in SMEM, each
+    warpgroup reducing half of dq's columns and reusing its SMEM once the TMA had read it
+    (not once the global write was done), 4.75-4.80 against 4.46-4.49 ms (ptxas spilled 376-432
+    bytes there; results/attention_H200_one_pass_tma_reduce.json). So dq stays a separate,
+    deterministic kernel.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
