@@ -172,6 +172,28 @@ def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, grid, monke
     _check("pallas_gpu", _qkv(1, T, S, heads, heads, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
 
 
+# pallas_gpu's dK/dV kernel has two step orders (FA3's at head_dim 64, the other at 128, see
+# _DKV_FA3_ORDER_HEAD_DIMS); the interpreter runs both at head_dim 64, with GQA (dK/dV summed over
+# the group), a window and a soft cap.
+BACKWARD_ORDER_CASES = {
+    "causal_gqa": (256, 256, dict(causal=True)),
+    "window_soft_cap_T<S": (128, 384, dict(causal=True, window=(100, 0), logit_soft_cap=5.0)),
+}
+
+
+@pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
+@pytest.mark.parametrize("order", ["fa3", "three_waits"])
+@pytest.mark.parametrize("case", BACKWARD_ORDER_CASES)
+def test_pallas_gpu_backward_orders_in_interpreter(case, order, monkeypatch):
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+
+    monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
+    T, S, kwargs = BACKWARD_ORDER_CASES[case]
+    # Head counts no other test traces (so no cached trace of the other order is reused), group of 3.
+    N, K = (6, 2) if order == "fa3" else (9, 3)
+    _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 3 * S + N), kwargs)
+
+
 @pytest.mark.parametrize("ctas", [1, 3, 132])
 def test_pallas_gpu_persistent_balance(ctas):
     """The persistent kernels' tile table: every tile exactly once, each CTA's tiles in order of

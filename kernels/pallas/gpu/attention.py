@@ -34,7 +34,7 @@ Backward (delta = rowsum(dout * out) - dlse and lse * log2(e) are plain jnp ops)
         pT = exp2(s^T - lse);  dv += pT dO;  dpT = v dO^T;  dsT = pT (dpT - delta);  dk += dsT q
     dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
   * dQ kernel: one CTA = 128 query rows of one (b, n), consumers own 64 rows, the producer
-    streams K/V blocks of 64 keys:  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
+    streams K/V blocks of `_DQ_BLOCK_KV` keys (32 at H = 256):  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
   * H = 256: dk + dv would need 256 accumulator registers per thread, so the H = 256 backward is
     Triton's fused kernel on the GPU (XLA's chunked backward in interpret mode); the forward
     uses this kernel.
@@ -97,6 +97,16 @@ _OVERLAP_HEAD_DIMS = (128,)
 # T > S, whose first tiles see no key): the ping-pong hazard `_PingPong.realign` closes; with it the
 # test passed on an H200 (4 cases, 256-512 tiles on 132 CTAs).
 _PERSISTENT_HEAD_DIMS = (64,)
+# Keys per step of the dQ kernel at H <= 128 (wgmma N of q k^T and dO v^T). 128 measured 0.3-2.4%
+# faster fwd+bwd than 64 on every issue shape tried on an H200 (results/attention_H200_dq_block_kv.json),
+# though ptxas spills 104 bytes in the causal kernel.
+_DQ_BLOCK_KV = 128
+# dK/dV step order. FA3's: q k^T and dO v^T issued together, then dv += p^T dO and dk += ds^T q
+# together (two waits per step). Otherwise: q k^T; dv's and dO v^T's wgmmas; dk's (three waits,
+# fewer live registers). Measured on an H100 (results/attention_H100_dkv_order.json, fwd+bwd):
+# at H = 64 2.745 against 2.960 ms; at H = 128 no faster (4.426 against 4.427 ms; GQA 4.264 against
+# 4.228), where ptxas spills 76 bytes in it.
+_DKV_FA3_ORDER_HEAD_DIMS = (64,)
 _INTERPRET_CTAS = 2  # interpret mode: two CTAs, most with several tiles (uneven counts)
 # Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
 # 232 + 40 ptxas spilled in the overlapped forward (12 bytes) and in a backward kernel (48 bytes).
@@ -386,6 +396,29 @@ class _Mma:
             plgpu.wgmma(refs[1], a2, b2)
 
         return pl.run_state(update)((plgpu.ACC.init(acc), plgpu.ACC.init(_zeros(shape2))))
+
+    def fresh(self, products, shape):
+        """[a @ b for (a, b) in products], SMEM operands: on the GPU all issued before one wait."""
+        if self.interpret:
+            return [self(a, b, shape) for a, b in products]
+
+        def run(*refs):
+            for ref, (a, b) in zip(refs, products):
+                plgpu.wgmma(ref, a, b)
+            return tuple(ref[...] for ref in refs)
+
+        return pl.run_scoped(run, *[plgpu.ACC(shape, _F32) for _ in products])
+
+    def update(self, items):
+        """[acc + a @ b for (acc, a, b) in items], a in registers: on the GPU all issued before one wait."""
+        if self.interpret:
+            return [self(a, b, acc.shape, acc=acc, a_in_regs=True) for acc, a, b in items]
+
+        def run(refs):
+            for ref, (_, a, b) in zip(refs, items):
+                plgpu.wgmma(ref, a, b)
+
+        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in items))
 
     def overlapped(self, a, b, shape, a2, b2, acc2, between, init, after_issue=None):
         """(acc2 + a2 @ b2, between(a @ b)), a2 in registers: on the GPU both wgmmas are issued
@@ -731,6 +764,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
     interpret = interpret_enabled()
     stages = _stages(2 * bq * H * item + 2 * bq * 4, 2 * _CTA * H * item)
     band = _Band.keys_by_query(spec, T, S)
+    fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free):
@@ -760,18 +794,26 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                     i = g * per_head + j - lo
                     slot = lax.rem(i, _i32(stages))
                     plgpu.barrier_wait(loaded.at[slot])
-                    st, c = _scores(mma(k_s, q_smem.at[slot].transpose((1, 0)), (_ROWS, bq)), spec)
+                    q_t, do_t = q_smem.at[slot].transpose((1, 0)), do_smem.at[slot].transpose((1, 0))
+                    if fa3_order:
+                        st, dpt = mma.fresh([(k_s, q_t), (v_s, do_t)], (_ROWS, bq))
+                        st, c = _scores(st, spec)
+                    else:
+                        st, c = _scores(mma(k_s, q_t, (_ROWS, bq)), spec)
                     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     pt = _exp2(st, c, _bcast(lse, st.shape, 1))
                     if masked:
                         pt = jnp.where(band.mask(keys, j * bq, st.shape), pt, 0.0)
-                    do_t = do_smem.at[slot].transpose((1, 0))
-                    dv, dpt = mma.two(dv, pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
+                    if not fa3_order:
+                        dv, dpt = mma.two(dv, pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
                     dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     dst = pt * (dpt - _bcast(dl, st.shape, 1))
                     if spec.logit_soft_cap is not None:
                         dst = dst * _cap_grad(st, spec)
-                    dk = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=dk, a_in_regs=True)
+                    if fa3_order:
+                        dv, dk = mma.update([(dv, pt.astype(dt), do_smem.at[slot]), (dk, dst.astype(dt), q_smem.at[slot])])
+                    else:
+                        dk = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=dk, a_in_regs=True)
                     ring.release(slot, i, loads)
                     return dk, dv
 
@@ -836,11 +878,11 @@ def _dkv(q, k, v, do, lse2, delta, spec):
 
 
 def _dq(q, k, v, do, lse2, delta, spec):
-    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of 64 streamed."""
+    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_DQ_BLOCK_KV` streamed."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G, dt = N // K, q.dtype
-    bkv = 64 if H <= 128 else 32  # H = 256: SMEM
+    bkv = _DQ_BLOCK_KV if H <= 128 else 32  # H = 256: SMEM
     item = jnp.dtype(dt).itemsize
     stages = _stages(2 * bkv * H * item, 2 * _CTA * H * item)
     band = _Band.forward(spec, T, S)
