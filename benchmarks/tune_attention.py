@@ -13,6 +13,7 @@ cuDNN's (a variant off by more than 2e-2 relative is reported and dropped).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -82,6 +83,8 @@ def main() -> None:
         for name in settings:
             defaults.setdefault(name, getattr(module, name))
         for name, value in {**defaults, **settings}.items():
+            if dataclasses.is_dataclass(defaults[name]) and isinstance(value, tuple):
+                value = type(defaults[name])(*value)  # a config dataclass from its fields in order
             setattr(module, name, value)
         fns = steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, backend=args.backend))
         # Trace + compile now, while the constants hold this variant's values.

@@ -65,7 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
 from forgeax.kernels.xla.attention import chunked_backward
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.ops.interface import Implementation, current_platform, interpret_enabled
 
 _F32 = jnp.float32
 _LOG2E = math.log2(math.e)
@@ -710,7 +710,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
 
     tr = _transforms(dt)
 
-    def entry(*refs):
+    def attention_fwd(*refs):  # the kernel's name in profiles
         scratch = [
             plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
             plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr) if separate_out else None,
@@ -729,7 +729,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
 
     out, lse = plgpu.kernel(
-        entry,
+        attention_fwd,
         out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt), jax.ShapeDtypeStruct((B, N, T), _F32)),
         grid=(schedule.ctas,),
         grid_names=("cta",),
@@ -847,7 +847,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
 
     tr = _transforms(dt)
 
-    def entry(*refs):
+    def attention_dkv(*refs):  # the kernel's name in profiles
         scratch = [
             plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
             plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
@@ -866,7 +866,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
 
     kv_type = jax.ShapeDtypeStruct((B, S, K, H), dt)
     return plgpu.kernel(
-        entry,
+        attention_dkv,
         out_type=(kv_type, kv_type),
         grid=(K, S // _CTA, B),
         grid_names=("heads", "kv", "batch"),
@@ -952,7 +952,7 @@ def _dq(q, k, v, do, lse2, delta, spec):
 
     tr = _transforms(dt, 128 if H <= 128 else 64)
 
-    def entry(*refs):
+    def attention_dq(*refs):  # the kernel's name in profiles
         scratch = [
             plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
             plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
@@ -970,7 +970,7 @@ def _dq(q, k, v, do, lse2, delta, spec):
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
 
     return plgpu.kernel(
-        entry,
+        attention_dq,
         out_type=jax.ShapeDtypeStruct((B, T, N, H), dt),
         grid=(N, T // _CTA, B),
         grid_names=("heads", "q", "batch"),
@@ -1022,6 +1022,10 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         return f"head_dim {H} (v {Hv}) not supported: needs H == Hv in {_HEAD_DIMS}"
     if T == 0 or S == 0 or T % _CTA or S % _CTA:
         return f"T={T}, S={S} not supported: both must be positive multiples of {_CTA}"
+    if current_platform() == "gpu" and not interpret_enabled():
+        capability = str(getattr(jax.devices()[0], "compute_capability", "?"))
+        if not capability.startswith("9."):
+            return f"compute capability {capability}: these kernels use Hopper's wgmma (sm_90)"
     return None
 
 

@@ -1,0 +1,103 @@
+"""Where an attention call's time goes, per backend and for cuDNN: kernels, gaps and dispatch.
+
+    python benchmarks/attention_kernel_times.py --backend pallas_gpu --backend triton \
+        [--shape B,T,N,K,H] [--causal 0] [--iterations 20] [--out times.json]
+
+For the jitted forward and forward+backward of each backend it prints
+  * the median GPU time of every kernel launched (CUPTI; names as the driver reports them) and
+    their sum, the device time of one call;
+  * wall ms: per call, over `--iterations` calls issued back to back (as tools/bench.py times);
+  * dispatch ms: per call, the host time to issue those calls (before waiting for them).
+wall - kernels is time the GPU spends idle between kernels; when dispatch ~ wall, the host, not
+the GPU, sets the pace. Diagnostics only: the ratios against cuDNN come from tools/bench.py and
+benchmarks/tune_attention.py (interleaved rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import profiler
+
+from forgeax import ops
+
+
+def kernel_times(fn, args, iterations: int) -> dict[str, float]:
+    """Median ms per kernel name (kernels launched more than once per call are summed per call)."""
+    _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    per_name = collections.defaultdict(list)
+    for run in runs:
+        totals = collections.Counter()
+        for name, ms in run:
+            totals[name] += ms
+        for name, ms in totals.items():
+            per_name[name].append(ms)
+    return {name: statistics.median(ms) for name, ms in per_name.items()}
+
+
+def wall_and_dispatch(fn, args, calls: int) -> tuple[float, float]:
+    """(wall ms, host dispatch ms) per call of `calls` calls issued back to back; medians of 5 rounds."""
+    walls, dispatches = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        outs = [fn(*args) for _ in range(calls)]
+        issued = time.perf_counter()
+        jax.block_until_ready(outs)
+        walls.append((time.perf_counter() - start) / calls * 1e3)
+        dispatches.append((issued - start) / calls * 1e3)
+        del outs
+    return statistics.median(walls), statistics.median(dispatches)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", action="append", default=None)
+    parser.add_argument("--shape", default="4,4096,32,32,128", help="B,T,N,K,H")
+    parser.add_argument("--causal", type=int, default=1)
+    parser.add_argument("--window", type=int, default=None, help="left window size (with causal)")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--out", default="-")
+    args = parser.parse_args()
+    B, T, N, K, H = (int(d) for d in args.shape.split(","))
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+    causal = bool(args.causal)
+    window = None if args.window is None else (args.window, 0)
+    attend = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")}
+    for backend in args.backend or ["pallas_gpu"]:
+        attend[backend] = lambda q, k, v, backend=backend: ops.attention(
+            q, k, v, causal=causal, window=window, backend=backend)
+    results = {}
+    for name, fn in attend.items():
+        def fwd_bwd(q, k, v, do, fn=fn):
+            out, pull = jax.vjp(fn, q, k, v)
+            return (out,) + pull(do)
+
+        for mode, step, step_args in (("fwd", jax.jit(fn), (q, k, v)), ("fwd+bwd", jax.jit(fwd_bwd), (q, k, v, do))):
+            jax.block_until_ready(step(*step_args))  # compile and warm up outside the measurements
+            times = kernel_times(step, step_args, args.iterations)
+            wall, dispatch = wall_and_dispatch(step, step_args, args.iterations)
+            results[f"{name} {mode}"] = dict(kernels_ms=times, total_ms=sum(times.values()), wall_ms=wall,
+                                             dispatch_ms=dispatch)
+            print(f"{name} {mode}: kernels {sum(times.values()):.3f} ms ({len(times)}), wall {wall:.3f} ms, "
+                  f"dispatch {dispatch:.3f} ms", flush=True)
+            for kernel, ms in sorted(times.items(), key=lambda kv: -kv[1]):
+                print(f"  {ms:8.3f} ms  {kernel[:110]}")
+    if args.out != "-":
+        with open(args.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, shape=args.shape, causal=causal, window=window,
+                           iterations=args.iterations, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
