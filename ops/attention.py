@@ -23,6 +23,24 @@ from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 # covers every feature.
 _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
 
+
+def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
+    """Forward-only calls (not differentiated) that try pallas_gpu before cuDNN: causal/window with
+    GQA, a window, or head_dim > 128, where its forward kernel was measured at least as fast as
+    cuDNN's and the call faster (H200, benchmarks/results/attention_H200_kernel_times.json, kernel /
+    wall ms against cuDNN's: GQA T8192 0.823 / 0.868 against 0.883 / 0.971; window 4096 T16384
+    1.562 / 1.625 against 1.598 / 1.693; H256 0.447 / 0.488 against 0.450 / 0.587). Plain causal
+    at head_dim <= 128 without GQA stays on cuDNN (its kernel 2% faster: 0.906 against 0.924 ms),
+    and so does attention without a position mask (1.593 against 1.720 ms). A differentiated call
+    keeps the training priority above for its forward and backward (interface._split)."""
+    q, k = args[0], args[1]
+    spec = kwargs["spec"]
+    if platform != "gpu" or not spec.has_position_mask:
+        return ()
+    if q.shape[2] > k.shape[2] or spec.window_left is not None or q.shape[3] > 128:
+        return ("pallas_gpu",)
+    return ()
+
 ATTENTION = define_op(
     "attention",
     {
@@ -34,6 +52,7 @@ ATTENTION = define_op(
         "pallas_tpu": "forgeax.kernels.pallas.tpu.attention:ATTENTION",
     },
     _PRIORITY,
+    inference_order=_inference_order,
 )
 
 

@@ -12,6 +12,11 @@ Selection, written once for every op:
     measured `Tuned` rule for this device kind and shape goes first), take the
     first implementation that loads, runs on this platform and `supports(...)`
     the call; `xla` is always the last resort.
+  * An op may also name, per call, backends to try first when the call is not
+    differentiated (`inference_order`: a forward measured faster than the best
+    training pair's). When that choice differs from the one above, the call runs
+    the inference backend and its gradient (under `jax.grad`/`vjp`) the training
+    backend's forward and backward: see `_split`.
   * `backend="<name>"`: that implementation, or `UnsupportedError` with the
     reason. `"pallas"` is an alias for the Pallas variant of this platform
     (`pallas_gpu` on GPUs, `pallas_tpu` on TPUs).
@@ -189,20 +194,51 @@ def current_device_kind() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """Which backend one op call used, and why each better-ranked one was skipped."""
+    """Which backend one op call used, and why each better-ranked one was skipped.
+
+    `gradient_backend` is set when a differentiated call runs another backend's forward and
+    backward (the op's `inference_order` picked `backend` for the call itself)."""
 
     op: str
     backend: str
     skipped: tuple[tuple[str, str], ...]
     shapes: tuple[str, ...]
+    gradient_backend: str | None = None
 
     def __str__(self) -> str:
-        lines = [f"{self.op}({', '.join(self.shapes)}) -> {self.backend}"]
+        target = self.backend
+        if self.gradient_backend is not None:
+            target = f"{self.backend} (under a gradient: {self.gradient_backend})"
+        lines = [f"{self.op}({', '.join(self.shapes)}) -> {target}"]
         lines += [f"    skipped {name}: {reason}" for name, reason in self.skipped]
         return "\n".join(lines)
 
 
 _RECORDER: contextvars.ContextVar[list[Decision] | None] = contextvars.ContextVar("forgeax_recorder", default=None)
+
+
+# An op's forward-only preference: (platform, args, kwargs) -> backends to try first.
+InferenceOrder = Callable[[str, Sequence[Any], Mapping[str, Any]], Sequence[str]]
+
+
+def _split(inference: Implementation, training: Implementation, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """`inference.fn(*args, **kwargs)`, differentiated as `training.fn`: under jax.grad / vjp the
+    forward and backward are the training backend's (its forward recomputes the output, so the
+    value and its gradient come from one backend). Both compute the op's contract; they may
+    differ by rounding. Keyword arguments are static (the ops pass only hashable options there)."""
+
+    @jax.custom_vjp
+    def run(*args):
+        return inference.fn(*args, **kwargs)
+
+    def forward(*args):
+        return jax.vjp(lambda *a: training.fn(*a, **kwargs), *args)
+
+    def backward(pull, cotangent):
+        return pull(cotangent)
+
+    run.defvjp(forward, backward)
+    return run(*args)
 
 
 def _describe(value: Any) -> str:
@@ -220,6 +256,7 @@ class Op:
         backends: Mapping[str, ImplementationRef],
         priority: Mapping[str, Sequence[str]],
         tuned: Sequence[Tuned] = (),
+        inference_order: InferenceOrder | None = None,
     ) -> None:
         if "xla" not in backends:
             raise ValueError(f"op {name!r}: backends must include the 'xla' reference")
@@ -228,6 +265,7 @@ class Op:
         self._loaded: dict[str, Implementation | str] = {}  # cache: Implementation or import error
         self._priority: dict[str, tuple[str, ...]] = {p: tuple(priority.get(p, ())) for p in PLATFORMS}
         self.tuned: tuple[Tuned, ...] = tuple(tuned)
+        self.inference_order = inference_order
 
     # -- registry ---------------------------------------------------------------------------
     @property
@@ -282,11 +320,18 @@ class Op:
             raise ValueError(f"backend: unknown backend {backend!r} for {self.name}; expected None or one of {known}")
         return (backend,)
 
-    def select(self, backend: str | None, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[str, Implementation, tuple[tuple[str, str], ...]]:
-        """(name, implementation, skipped) for this call; raises UnsupportedError if an explicit choice cannot run it."""
+    def select(self, backend: str | None, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+               inference: bool = False) -> tuple[str, Implementation, tuple[tuple[str, str], ...]]:
+        """(name, implementation, skipped) for this call; raises UnsupportedError if an explicit choice cannot run it.
+
+        inference: with backend=None, try the op's `inference_order` for this call first."""
         platform = current_platform()
+        candidates = self._candidates(backend, platform, args)
+        if inference and backend is None and self.inference_order is not None:
+            first = tuple(b for b in self.inference_order(platform, args, kwargs) if b in self._refs)
+            candidates = first + tuple(b for b in candidates if b not in first)
         skipped: list[tuple[str, str]] = []
-        for name in self._candidates(backend, platform, args):
+        for name in candidates:
             impl = self.implementation(name) if name in self._refs else f"{name} is not registered for {self.name}"
             reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
             if reason is None:
@@ -297,10 +342,18 @@ class Op:
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
         name, impl, skipped = self.select(backend, args, kwargs)
+        gradient_name = None
+        if backend is None and self.inference_order is not None:
+            inference_name, inference_impl, inference_skipped = self.select(None, args, kwargs, inference=True)
+            if inference_name != name:
+                gradient_name, training = name, impl
+                name, impl, skipped = inference_name, inference_impl, inference_skipped
         recorder = _RECORDER.get()
         if recorder is not None:
             shapes = tuple(_describe(a) for a in args)
-            recorder.append(Decision(self.name, name, skipped, shapes))
+            recorder.append(Decision(self.name, name, skipped, shapes, gradient_name))
+        if gradient_name is not None:
+            return _split(impl, training, args, kwargs)
         return impl.fn(*args, **kwargs)
 
 
@@ -313,11 +366,12 @@ def define_op(
     backends: Mapping[str, ImplementationRef],
     priority: Mapping[str, Sequence[str]],
     tuned: Sequence[Tuned] = (),
+    inference_order: InferenceOrder | None = None,
 ) -> Op:
     """Creates and registers a new op (forgeax's own ops are defined this way too)."""
     if name in OPS:
         raise ValueError(f"name: op {name!r} is already defined")
-    op = Op(name, backends, priority, tuned)
+    op = Op(name, backends, priority, tuned, inference_order)
     OPS[name] = op
     return op
 

@@ -393,6 +393,44 @@ def test_jit_grad_vmap_checkpoint_bf16(backend):
     _assert_transformations_match_xla(backend, (q, k, v), 0, TOLERANCE[jnp.dtype(jnp.bfloat16)])
 
 
+# backend=None on a Hopper GPU: (N, K, H, options) -> (backend of a call that is not differentiated,
+# backend of its forward and backward under a gradient; None = the same one). See
+# ops/attention.py's _inference_order for the measurements behind the split.
+DEFAULT_SPLIT_CASES = {
+    "gqa": (8, 2, 128, dict(causal=True), ("pallas_gpu", "cudnn")),
+    "window": (4, 4, 128, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
+    "head_dim_256": (4, 4, 256, dict(causal=True), ("pallas_gpu", "cudnn")),
+    "causal_mha": (4, 4, 128, dict(causal=True), ("cudnn", None)),
+    "full_gqa": (8, 2, 128, dict(), ("cudnn", None)),
+}
+
+
+@pytest.mark.skipif(ON_CPU, reason="GPU only: the split involves cudnn and pallas_gpu")
+@pytest.mark.parametrize("case", DEFAULT_SPLIT_CASES)
+def test_default_selection_forward_only_and_under_gradient(case):
+    """The default runs pallas_gpu's forward for calls that are not differentiated where it was
+    measured faster, and cuDNN's forward and backward under a gradient; both equal the reference."""
+    if not str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9."):
+        pytest.skip("the split is measured for Hopper (sm_90)")
+    N, K, H, kwargs, (forward_only, under_gradient) = DEFAULT_SPLIT_CASES[case]
+    q, k, v = _qkv(2, 256, 256, N, K, H, jnp.bfloat16, seed=31 + N + H)
+    decision = ops.explain(lambda q, k, v: ops.attention(q, k, v, **kwargs), q, k, v).decisions[0]
+    assert (decision.backend, decision.gradient_backend) == (forward_only, under_gradient)
+    out = ops.attention(q, k, v, **kwargs)
+    assert bool(jnp.all(out == ops.attention(q, k, v, backend=forward_only, **kwargs)))
+    loss = lambda q, k, v, backend: jnp.sum(jnp.sin(ops.attention(q, k, v, backend=backend, **kwargs).astype(jnp.float32)))  # noqa: E731
+    value, grads = jax.jit(jax.value_and_grad(functools.partial(loss, backend=None), (0, 1, 2)))(q, k, v)
+    trained, _ = jax.jit(jax.value_and_grad(functools.partial(loss, backend=under_gradient or forward_only)))(q, k, v)
+    assert float(value) == float(trained)  # under a gradient the value is the training backend's forward
+    want_out = ops.attention(q, k, v, backend="xla", **kwargs)
+    want_value, want_grads = jax.value_and_grad(functools.partial(loss, backend="xla"), (0, 1, 2))(q, k, v)
+    tolerance = TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    assert conformance.relative_error(out, want_out) < tolerance
+    assert abs(float(value) - float(want_value)) <= tolerance * max(1.0, abs(float(want_value)))
+    for g, r in zip(grads, want_grads):
+        assert conformance.relative_error(g, r) < tolerance
+
+
 def test_selection_on_this_platform():
     q, k, v = _qkv(1, 16, 16, 2, 2, 64, jnp.float32, seed=0)
     chosen = ops.explain(lambda q, k, v: ops.attention(q, k, v, causal=True), q, k, v).backends()

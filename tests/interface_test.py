@@ -133,3 +133,54 @@ def test_tuned_rule_reorders_the_priority_on_its_device_and_shapes_only(monkeypa
     assert op.select("fast_wide", (narrow,), {})[0] == "fast_wide"  # an explicit choice is never overridden
     monkeypatch.setattr(interface, "current_device_kind", lambda: "NVIDIA H100 80GB HBM3")
     assert op.select(None, (narrow,), {})[0] == "fast_wide"
+
+
+def _with_gradient(forward, gradient):
+    """forward(x, *, power) whose derivative is gradient(x, power) (so a test sees which one ran)."""
+
+    def fn(x, ids, *, power):
+        @jax.custom_vjp
+        def f(x):
+            return forward(x, power)
+
+        f.defvjp(lambda x: (f(x), x), lambda x, g: (g * gradient(x, power),))
+        return f(x), ids
+
+    return fn
+
+
+def test_inference_order_runs_one_backend_and_differentiates_another(monkeypatch):
+    """An op's inference_order picks the backend of a call that is not differentiated; under
+    jax.grad the training backend's forward and backward run (a custom_vjp around both)."""
+    everywhere = {"cpu", "gpu", "tpu"}
+    exact = lambda x, p: x ** p  # noqa: E731
+    op = interface.Op(
+        "split_probe",
+        {
+            # Each backend marks its output (+1000 / +2000 on the forward, x3 on the gradient) so
+            # the test can tell which one ran; `ids` (an int array) passes through untouched.
+            "xla": forgeax.Implementation(fn=_with_gradient(exact, lambda x, p: p * x ** (p - 1)), platforms=everywhere),
+            "fast_forward": forgeax.Implementation(fn=_with_gradient(lambda x, p: exact(x, p) + 1000, lambda x, p: 0 * x), platforms=everywhere),
+            "fast_training": forgeax.Implementation(fn=_with_gradient(lambda x, p: exact(x, p) + 2000, lambda x, p: 3 * p * x ** (p - 1)), platforms=everywhere),
+        },
+        priority={"gpu": ("fast_training",)},
+        inference_order=lambda platform, args, kwargs: ("fast_forward",) if kwargs["power"] == 2 else (),
+    )
+    monkeypatch.setattr(interface, "current_platform", lambda: "gpu")
+    x, ids = jnp.array([1.0, 2.0, 3.0]), jnp.arange(3)
+    call = lambda x: op(x, ids, power=2)  # noqa: E731
+    out, same_ids = call(x)
+    assert jnp.allclose(out, x ** 2 + 1000) and jnp.array_equal(same_ids, ids)  # the inference backend
+    assert jnp.allclose(jax.jit(lambda x: call(x)[0])(x), x ** 2 + 1000)
+    value, grad = jax.value_and_grad(lambda x: jnp.sum(call(x)[0]))(x)
+    assert float(value) == pytest.approx(float(jnp.sum(x ** 2 + 2000)))  # forward and backward: training
+    assert jnp.allclose(grad, 3 * 2 * x)
+    assert jnp.allclose(jax.vmap(jax.grad(lambda x: call(x)[0].sum()))(x[:, None]), 6 * x[:, None])
+    report = forgeax.explain(lambda x: call(x)[0], x)
+    assert report.decisions[0].backend == "fast_forward"
+    assert report.decisions[0].gradient_backend == "fast_training"
+    assert "fast_forward (under a gradient: fast_training)" in str(report)
+    # No inference preference for this call, or an explicit backend: one backend, no split.
+    assert jnp.allclose(op(x, ids, power=3)[0], x ** 3 + 2000)
+    assert forgeax.explain(lambda x: op(x, ids, power=3)[0], x).decisions[0].gradient_backend is None
+    assert jnp.allclose(jax.grad(lambda x: op(x, ids, power=2, backend="fast_forward")[0].sum())(x), 0 * x)

@@ -23,8 +23,10 @@ kv_segment_ids[s]; mask[t, s].
 
 Backend signature (the `fn` of its Implementation):
     fn(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec) -> (out, lse)
-with out [B, T, N, Hv] in q's dtype and lse [B, N, T] f32; differentiable in q, k, v, bias (and
-through lse too: d lse / d z = p before dropout). `supports` takes the same arguments.
+with out [B, T, N, Hv] in q's dtype and lse [B, N, T] f32 when spec.return_lse, else None (so
+every backend's output has one structure: the op may run one backend's forward and differentiate
+another's); differentiable in q, k, v, bias (and through lse too: d lse / d z = p before
+dropout). `supports` takes the same arguments.
 
 Build one from two kernels with `differentiable_attention(AttentionKernels(forward, backward))`:
     forward(q, k, v, bias, mask, qseg, kvseg, seed, spec)                  -> (out, lse)
@@ -235,7 +237,8 @@ def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[A
     attention.defvjp(attention_fwd, attention_bwd)
 
     def fn(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):
-        return attention(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec)
+        out, lse = attention(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec)
+        return out, (lse if spec.return_lse else None)
 
     return fn
 

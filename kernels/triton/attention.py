@@ -460,17 +460,19 @@ class AttentionConfig:
     bwd_stages: int
 
 
-# Keyed by (max(H, Hv) padded to 128 or 256, bytes per element). 16-bit, <= 128: the H200
-# measurements of notes/TRITON_JAX.md. The others were sized with ptxas -v (sm_90a) on CPU
-# cross-lowered PTX at B4 T4096 N32 causal, not timed: 16-bit 256 uses 164 KB (fwd) and 131 KB
-# (bwd) of shared memory, no spills; f32 (tf32x3 dots) 128 spills 76 B (fwd) / 152 B (bwd). f32
-# at 256 spilled 2-40 KB in every config tried, so `_supports` refuses it on GPU.
-_CONFIGS = {
-    (128, 2): AttentionConfig(128, 128, 8, 3, 64, 128, 128, 64, 8, 3),
-    (256, 2): AttentionConfig(64, 64, 8, 2, 32, 64, 64, 32, 8, 2),
-    (128, 4): AttentionConfig(64, 32, 4, 2, 32, 32, 32, 32, 8, 2),
-    (256, 4): AttentionConfig(32, 32, 4, 2, 16, 32, 32, 16, 8, 2),  # refused on GPU (spills)
-}
+# One per (max(H, Hv) padded to 128 or 256, element width): `config_for`. 16-bit, <= 128: the H200
+# measurements of notes/TRITON_JAX.md, then forward key blocks of 64 instead of 128, measured
+# faster side by side on an H200 (benchmarks/tune_attention.py, causal B4 T4096 N32 H128, two
+# runs: fwd 1.368 / 1.373 against 1.411 / 1.426 ms, fwd+bwd 5.079 / 5.056 against 5.140 / 5.131;
+# benchmarks/results/attention_H200_triton_forward_block.json). The others were sized with
+# ptxas -v (sm_90a) on CPU cross-lowered PTX at B4 T4096 N32 causal, not timed: 16-bit 256 uses
+# 164 KB (fwd) and 131 KB (bwd) of shared memory, no spills; f32 (tf32x3 dots) 128 spills 76 B
+# (fwd) / 152 B (bwd). f32 at 256 spilled 2-40 KB in every config tried, so `_supports` refuses it
+# on GPU.
+_CONFIG_16BIT_128 = AttentionConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
+_CONFIG_16BIT_256 = AttentionConfig(64, 64, 8, 2, 32, 64, 64, 32, 8, 2)
+_CONFIG_F32_128 = AttentionConfig(64, 32, 4, 2, 32, 32, 32, 32, 8, 2)
+_CONFIG_F32_256 = AttentionConfig(32, 32, 4, 2, 16, 32, 32, 16, 8, 2)  # refused on GPU (spills)
 # The interpreter pays per block operation; small, unequal tiles still exercise the block bounds.
 _INTERPRET_CONFIG = AttentionConfig(32, 16, 4, 1, 16, 32, 32, 16, 4, 1)
 
@@ -483,7 +485,9 @@ def config_for(head_dim: int, value_dim: int, dtype) -> AttentionConfig:
     if interpret_enabled():
         return _INTERPRET_CONFIG
     width = 128 if max(_pow2(head_dim), _pow2(value_dim)) <= 128 else 256
-    return _CONFIGS[(width, 4 if jnp.dtype(dtype).itemsize == 4 else 2)]
+    if jnp.dtype(dtype).itemsize == 4:
+        return _CONFIG_F32_128 if width == 128 else _CONFIG_F32_256
+    return _CONFIG_16BIT_128 if width == 128 else _CONFIG_16BIT_256
 
 
 def _statics(q, k, v, bias, mask, qseg, spec: AttentionSpec) -> dict:

@@ -70,7 +70,7 @@ def reference(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         )
         p = jnp.where(keep, p / (1.0 - spec.dropout_rate), 0.0)
     out = jnp.einsum("bnts,bsnh->btnh", p, v, precision=HIGHEST)
-    return out.astype(q.dtype), lse
+    return out.astype(q.dtype), (lse if spec.return_lse else None)
 
 
 # ----------------------------------------------------------------------------- chunked
