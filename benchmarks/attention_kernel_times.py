@@ -1,6 +1,6 @@
 """Where an attention call's time goes, per backend and for cuDNN: kernels, gaps and dispatch.
 
-    python benchmarks/attention_kernel_times.py --backend pallas_gpu --backend triton \
+    python benchmarks/attention_kernel_times.py --backend pallas_gpu --backend triton [--backend default] \
         [--shape B,T,N,K,H] [--causal 0] [--iterations 20] [--out times.json]
 
 For the jitted forward and forward+backward of each backend it prints
@@ -75,7 +75,7 @@ def main() -> None:
     attend = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")}
     for backend in args.backend or ["pallas_gpu"]:
-        attend[backend] = lambda q, k, v, backend=backend: ops.attention(
+        attend[backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
             q, k, v, causal=causal, window=window, backend=backend)
     results = {}
     for name, fn in attend.items():

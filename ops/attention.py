@@ -12,8 +12,9 @@ from forgeax.kernels.common.attention import AttentionSpec, dropout_seed_from_ke
 from forgeax.ops import checks
 from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 
-# Priority on each platform, best first (xla is always the fallback). The xla entry on CPU/GPU/TPU
-# is the materialised reference; "xla_chunked" is the linear-memory XLA version.
+# Priority on each platform, best first (xla is always the fallback); for calls that are not
+# differentiated `_inference_order` goes first. The xla entry on CPU/GPU/TPU is the materialised
+# reference; "xla_chunked" is the linear-memory XLA version.
 # GPU: cuDNN (through XLA) first for the calls it computes exactly (see its supports(): no bias,
 # mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 its fwd+bwd was
 # faster than pallas_gpu's on every shape of benchmarks/results/attention_H200_overlapped_forward.json
@@ -139,7 +140,9 @@ def attention(
         rounding, not bit for bit; measured in benchmarks/results/attention_backward_determinism_H200.json). None (default) follows XLA's `--xla_gpu_deterministic_ops` flag (off unless
         set in XLA_FLAGS), like jax.nn.dot_product_attention's cuDNN path. The forward is always
         deterministic; xla, xla_chunked, triton and pallas_tpu always are.
-      backend: None (fastest measured for this device and shape), "xla" (materialised reference),
+      backend: None (fastest measured for this device and shape; on Hopper a forward-only call may
+        run pallas_gpu's forward while a differentiated one runs cuDNN's forward and backward, see
+        `_inference_order`), "xla" (materialised reference),
         "xla_chunked" (linear memory), "triton", "pallas_gpu", "pallas_tpu" ("pallas"), "cudnn"
         (XLA's cuDNN fused attention, for the calls whose semantics it shares).
 
