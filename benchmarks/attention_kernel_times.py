@@ -22,8 +22,8 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
+from tune_attention import random_inputs  # this directory is on sys.path when run as a script
 
 from forgeax import ops
 
@@ -64,12 +64,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
-    B, T, N, K, H = (int(d) for d in args.shape.split(","))
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
-    do = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+    q, k, v, do = random_inputs(args.shape)
     causal = bool(args.causal)
     window = None if args.window is None else (args.window, 0)
     attend = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(

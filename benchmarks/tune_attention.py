@@ -44,6 +44,14 @@ def rel_err(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+def random_inputs(shape: str) -> tuple[jax.Array, ...]:
+    """q, k, v, dout in bf16, standard normal, for shape 'B,T,N,K,H' (S = T)."""
+    B, T, N, K, H = (int(d) for d in shape.split(","))
+    keys = jax.random.split(jax.random.key(0), 4)
+    return tuple(jax.random.normal(key, dims, jnp.bfloat16)
+                 for key, dims in zip(keys, ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="pallas_gpu", choices=sorted(MODULES))
@@ -58,11 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     module = importlib.import_module(MODULES[args.backend])
     B, T, N, K, H = (int(d) for d in args.shape.split(","))
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
-    do = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+    q, k, v, do = random_inputs(args.shape)
     causal = bool(args.causal)
     flops = 4.0 * B * N * H * (T * (T + 1) / 2 if causal else T * T)
 
