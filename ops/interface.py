@@ -192,6 +192,11 @@ def current_device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+def current_compute_capability() -> str:
+    """The default device's CUDA compute capability, e.g. '9.0'; '' when it reports none (CPU, TPU)."""
+    return str(getattr(jax.devices()[0], "compute_capability", ""))
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """Which backend one op call used, and why each better-ranked one was skipped.

@@ -410,7 +410,7 @@ DEFAULT_SPLIT_CASES = {
 def test_default_selection_forward_only_and_under_gradient(case):
     """The default runs pallas_gpu's forward for calls that are not differentiated where it was
     measured faster, and cuDNN's forward and backward under a gradient; both equal the reference."""
-    if not str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9."):
+    if not interface.current_compute_capability().startswith("9."):
         pytest.skip("the split is measured for Hopper (sm_90)")
     N, K, H, kwargs, (forward_only, under_gradient) = DEFAULT_SPLIT_CASES[case]
     q, k, v = _qkv(2, 256, 256, N, K, H, jnp.bfloat16, seed=31 + N + H)
