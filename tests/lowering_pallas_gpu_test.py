@@ -99,3 +99,35 @@ def test_supports_refuses_integer_x():
     x = jax.ShapeDtypeStruct((4, 256), jnp.int32)
     s = jax.ShapeDtypeStruct((256,), jnp.float32)
     assert gpu_norms.RMS_NORM.supports(x, s, eps=1e-6) is not None
+
+
+# (compute capability, refusal expected for the norms (no wgmma), for attention and linear CE (wgmma))
+GPU_GENERATIONS = [("8.0", True, True), ("8.9", True, True), ("9.0", False, False), ("10.0", False, True)]
+
+
+@pytest.mark.parametrize("capability, norms_refused, wgmma_refused", GPU_GENERATIONS)
+def test_mosaic_gpu_ops_refuse_gpus_that_cannot_run_them(capability, norms_refused, wgmma_refused, monkeypatch):
+    """Mosaic GPU emits sm_90a code and wgmma is Hopper-only: on other GPUs every pallas_gpu
+    op says so through supports(), so the selection falls back instead of failing to compile."""
+    import forgeax.kernels.pallas.gpu as pallas_gpu
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.pallas.gpu import attention as gpu_attention
+    from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
+
+    monkeypatch.setattr(pallas_gpu, "current_platform", lambda: "gpu")
+    monkeypatch.setattr(pallas_gpu, "current_compute_capability", lambda: capability)
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    scale = jax.ShapeDtypeStruct((512,), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+    weight = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
+    targets = jax.ShapeDtypeStruct((256,), jnp.int32)
+    reasons = {
+        "rms_norm": gpu_norms.RMS_NORM.supports(x, scale, eps=1e-6),
+        "attention": gpu_attention.ATTENTION.supports(q, q, q, None, None, None, None, None, spec=AttentionSpec(causal=True, scale=0.125)),
+        "linear_cross_entropy": gpu_lce.LINEAR_CROSS_ENTROPY.supports(x, weight, targets),
+    }
+    expected = {"rms_norm": norms_refused, "attention": wgmma_refused, "linear_cross_entropy": wgmma_refused}
+    for op, reason in reasons.items():
+        assert (reason is not None) == expected[op], (op, reason)
+        if reason is not None:
+            assert capability in reason

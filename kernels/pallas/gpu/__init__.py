@@ -1,1 +1,25 @@
 """Mosaic GPU kernels written with plgpu.kernel (Hopper and newer)."""
+
+from __future__ import annotations
+
+from forgeax.ops.interface import current_compute_capability, current_platform, interpret_enabled
+
+
+def gpu_refusal(*, wgmma: bool) -> str | None:
+    """Why the current GPU cannot run this module's kernels, or None.
+
+    Mosaic GPU emits sm_90a code (TMA, mbarriers, setmaxnreg): nothing older than Hopper runs
+    it. Kernels built on wgmma (`wgmma=True`) run on sm_90 only: Blackwell has no wgmma.
+    Off the GPU (cross-lowering, interpret mode) there is nothing to check.
+    """
+    if current_platform() != "gpu" or interpret_enabled():
+        return None
+    capability = current_compute_capability()
+    try:
+        major = int(capability.split(".")[0])
+    except ValueError:
+        return f"compute capability {capability or '?'} unknown: Mosaic GPU needs sm_90"
+    if major < 9 or (wgmma and major != 9):
+        need = "Hopper's wgmma (sm_90)" if wgmma else "sm_90 or newer (Mosaic GPU)"
+        return f"compute capability {capability}: these kernels need {need}"
+    return None

@@ -65,7 +65,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
 from forgeax.kernels.xla.attention import chunked_backward
-from forgeax.ops.interface import Implementation, current_compute_capability, current_platform, interpret_enabled
+from forgeax.kernels.pallas.gpu import gpu_refusal
+from forgeax.ops.interface import Implementation, interpret_enabled
 
 _F32 = jnp.float32
 _LOG2E = math.log2(math.e)
@@ -1022,11 +1023,7 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         return f"head_dim {H} (v {Hv}) not supported: needs H == Hv in {_HEAD_DIMS}"
     if T == 0 or S == 0 or T % _CTA or S % _CTA:
         return f"T={T}, S={S} not supported: both must be positive multiples of {_CTA}"
-    if current_platform() == "gpu" and not interpret_enabled():
-        capability = current_compute_capability()
-        if not capability.startswith("9."):
-            return f"compute capability {capability or '?'}: these kernels use Hopper's wgmma (sm_90)"
-    return None
+    return gpu_refusal(wgmma=True)
 
 
 ATTENTION = Implementation(

@@ -63,6 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.xla import linear_cross_entropy as xla_lce
 from forgeax.kernels.pallas.interpret import without_effects
+from forgeax.kernels.pallas.gpu import gpu_refusal
 from forgeax.ops.interface import Implementation, interpret_enabled
 
 _F32 = jnp.float32
@@ -369,7 +370,7 @@ def _supports(x, weight, targets, *, bias=None, axis_name=None, **options) -> st
     h = weight.shape[0]
     if h % _TK:
         return f"hidden size {h} not supported: needs a multiple of {_TK}"
-    return None
+    return gpu_refusal(wgmma=True)
 
 
 LINEAR_CROSS_ENTROPY = Implementation(

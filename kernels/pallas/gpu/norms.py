@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.norms import NormKernels, differentiable_norm, rms_only, row_count
+from forgeax.kernels.pallas.gpu import gpu_refusal
 from forgeax.ops.interface import Implementation, interpret_enabled
 
 _F32 = jnp.float32
@@ -338,7 +339,7 @@ def supports(x, scale, offset=None, *, eps) -> str | None:
         return f"D={d} exceeds {_MAX_D}"
     if row_count(x) == 0:
         return "x has no rows (an empty grid)"
-    return None
+    return gpu_refusal(wgmma=False)
 
 
 def _rms_supports(x, scale, *, eps) -> str | None:
