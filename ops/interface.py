@@ -197,6 +197,12 @@ def current_compute_capability() -> str:
     return str(getattr(jax.devices()[0], "compute_capability", ""))
 
 
+def current_compute_capability_major() -> int:
+    """The major version of `current_compute_capability()` (9 on Hopper); 0 when there is none."""
+    major = current_compute_capability().split(".")[0]
+    return int(major) if major.isdigit() else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """Which backend one op call used, and why each better-ranked one was skipped.

@@ -25,7 +25,9 @@ from forgeax.kernels.common.attention import (
     dropout_keep,
     reduce_bias_grad,
 )
-from forgeax.ops.interface import Implementation, current_compute_capability, xla_gpu_deterministic_ops
+from forgeax.ops.interface import (
+    Implementation, current_compute_capability, current_compute_capability_major, xla_gpu_deterministic_ops,
+)
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -256,10 +258,9 @@ def _cudnn_supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_
         return f"T={T}, S={S}: routed to cuDNN only when both are multiples of 8"
     if Hv != H or H % 8 or H > 256:
         return f"head_dim {H} (v {Hv}): cuDNN needs H == Hv, a multiple of 8, at most 256"
-    capability = current_compute_capability()
-    major = int(capability.split(".")[0] or 0)
+    major = current_compute_capability_major()
     if major < 8 or (H > 128 and major < 9):
-        return f"compute capability {capability or '?'}: too old for head_dim {H}"
+        return f"compute capability {current_compute_capability() or '?'}: too old for head_dim {H}"
     return None
 
 

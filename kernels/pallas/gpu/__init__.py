@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from forgeax.ops.interface import current_compute_capability, current_platform, interpret_enabled
+from forgeax.ops.interface import (
+    current_compute_capability, current_compute_capability_major, current_platform, interpret_enabled,
+)
 
 
 def gpu_refusal(*, wgmma: bool) -> str | None:
@@ -14,12 +16,8 @@ def gpu_refusal(*, wgmma: bool) -> str | None:
     """
     if current_platform() != "gpu" or interpret_enabled():
         return None
-    capability = current_compute_capability()
-    try:
-        major = int(capability.split(".")[0])
-    except ValueError:
-        return f"compute capability {capability or '?'} unknown: Mosaic GPU needs sm_90"
+    major = current_compute_capability_major()
     if major < 9 or (wgmma and major != 9):
         need = "Hopper's wgmma (sm_90)" if wgmma else "sm_90 or newer (Mosaic GPU)"
-        return f"compute capability {capability}: these kernels need {need}"
+        return f"compute capability {current_compute_capability() or '?'}: these kernels need {need}"
     return None
