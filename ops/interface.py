@@ -314,6 +314,11 @@ class Op:
         return self._loaded[backend]
 
     # -- selection --------------------------------------------------------------------------
+    def _preferring(self, first: Sequence[str], order: Sequence[str]) -> tuple[str, ...]:
+        """`order` with the registered backends of `first` moved to the front, in first's order."""
+        front = tuple(b for b in first if b in self._refs)
+        return front + tuple(b for b in order if b not in front)
+
     def _candidates(self, backend: str | None, platform: str, args: Sequence[Any]) -> tuple[str, ...]:
         if backend is None:
             order = self.priority(platform)
@@ -321,8 +326,7 @@ class Op:
                 kind = current_device_kind()
                 rule = next((t for t in self.tuned if t.matches(kind, args)), None)
                 if rule is not None:
-                    first = tuple(b for b in rule.order if b in self._refs)
-                    order = first + tuple(b for b in order if b not in first)
+                    order = self._preferring(rule.order, order)
             return order
         if backend == "pallas" and "pallas" not in self._refs:
             return tuple(b for b in _PALLAS_ALIAS[platform] if b in self._refs) or ("pallas_gpu",)
@@ -332,15 +336,14 @@ class Op:
         return (backend,)
 
     def select(self, backend: str | None, args: Sequence[Any], kwargs: Mapping[str, Any], *,
-               inference: bool = False) -> tuple[str, Implementation, tuple[tuple[str, str], ...]]:
+               prefer: Sequence[str] = ()) -> tuple[str, Implementation, tuple[tuple[str, str], ...]]:
         """(name, implementation, skipped) for this call; raises UnsupportedError if an explicit choice cannot run it.
 
-        inference: with backend=None, try the op's `inference_order` for this call first."""
+        prefer: with backend=None, backends to try before the priority (the op's `inference_order`)."""
         platform = current_platform()
         candidates = self._candidates(backend, platform, args)
-        if inference and backend is None and self.inference_order is not None:
-            first = tuple(b for b in self.inference_order(platform, args, kwargs) if b in self._refs)
-            candidates = first + tuple(b for b in candidates if b not in first)
+        if backend is None:
+            candidates = self._preferring(prefer, candidates)
         skipped: list[tuple[str, str]] = []
         for name in candidates:
             impl = self.implementation(name) if name in self._refs else f"{name} is not registered for {self.name}"
@@ -354,8 +357,11 @@ class Op:
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
         name, impl, skipped = self.select(backend, args, kwargs)
         gradient_name = None
+        prefer: tuple[str, ...] = ()
         if backend is None and self.inference_order is not None:
-            inference_name, inference_impl, inference_skipped = self.select(None, args, kwargs, inference=True)
+            prefer = tuple(self.inference_order(current_platform(), args, kwargs))
+        if prefer:  # else the forward-only choice is the one above
+            inference_name, inference_impl, inference_skipped = self.select(None, args, kwargs, prefer=prefer)
             if inference_name != name:
                 gradient_name, training = name, impl
                 name, impl, skipped = inference_name, inference_impl, inference_skipped
