@@ -26,14 +26,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
+import os
+import statistics
+import sys
 import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from bench import time_call  # noqa: E402
+from tune_attention import random_inputs, rel_err  # noqa: E402
 
 _METADATA_BY_PTX: dict[str, dict] = {}
 
@@ -118,14 +123,16 @@ def main() -> None:
     from forgeax import ops
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="4,4096,32,128", help="B,T,N,H")
+    parser.add_argument("--shape", default="4,4096,32,32,128", help="B,T,N,K,H with K == N (no GQA here)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
     patch_jax_triton()
-    B, T, N, H = (int(x) for x in args.shape.split(","))
-    q, k, v = (jax.random.normal(key, (B, T, N, H), jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 3))
+    q, k, v, _ = random_inputs(args.shape)
+    B, T, N, H = q.shape
+    if k.shape[2] != N:
+        parser.error("--shape: this kernel needs K == N")
     candidates = {
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
         "triton": lambda q, k, v: ops.attention(q, k, v, causal=True, backend="triton"),
@@ -134,30 +141,25 @@ def main() -> None:
     for ws, bm, bn, warps, stages in VARIANTS:
         candidates[f"ws{ws}_{bm}x{bn}_w{warps}_s{stages}"] = lambda q, k, v, c=(ws, bm, bn, warps, stages): causal_forward(
             q, k, v, warp_specialize=c[0], block_m=c[1], block_n=c[2], warps=c[3], stages=c[4])
-    reference = np.asarray(jax.jit(candidates["cudnn"])(q, k, v), np.float32)
+    reference = jax.jit(candidates["cudnn"])(q, k, v)
     report = {"device": jax.devices()[0].device_kind, "shape": [B, T, N, H], "results": {}, "errors": {}}
     timed = {}
     for name, fn in candidates.items():
         fn = jax.jit(fn)
         try:
-            out = np.asarray(jax.block_until_ready(fn(q, k, v)), np.float32)
+            out = jax.block_until_ready(fn(q, k, v))
         except Exception as e:  # a variant that cannot run is reported, the others go on
             report["errors"][name] = f"{type(e).__name__}: {str(e)[:800]}"
             continue
-        report["results"][name] = {"rel_err_vs_cudnn": float(np.linalg.norm(out - reference) / np.linalg.norm(reference))}
+        report["results"][name] = {"rel_err_vs_cudnn": rel_err(out, reference)}
         timed[name] = fn
     rounds = {name: [] for name in timed}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # interleaved: one round of every candidate, then the next
         for name, fn in timed.items():
-            jax.block_until_ready(fn(q, k, v))
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                out = fn(q, k, v)
-            jax.block_until_ready(out)
-            rounds[name].append((time.perf_counter() - start) / args.calls * 1e3)
+            rounds[name] += [t * 1e3 for t in time_call(fn, (q, k, v), calls=args.calls, reps=1, warmup=1)]
     flops = 4 * B * T * T * N * H / 2
     for name, ms in rounds.items():
-        median = float(np.median(ms))
+        median = statistics.median(ms)
         report["results"][name].update(median_ms=median, tflop_per_s=flops / median / 1e9, rounds_ms=ms)
     for name in rounds:
         report["results"][name]["vs_cudnn"] = report["results"]["cudnn"]["median_ms"] / report["results"][name]["median_ms"]
