@@ -31,8 +31,13 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
     cuDNN's and the call faster (H200, benchmarks/results/attention_H200_kernel_times.json, kernel /
     wall ms against cuDNN's: GQA T8192 0.823 / 0.868 against 0.883 / 0.971; window 4096 T16384
     1.562 / 1.625 against 1.598 / 1.693; H256 0.447 / 0.488 against 0.450 / 0.587). Plain causal
-    at head_dim <= 128 without GQA stays on cuDNN (its kernel 2% faster: 0.906 against 0.924 ms),
-    and so does attention without a position mask (1.593 against 1.720 ms). A differentiated call
+    at head_dim <= 128 without GQA stays on cuDNN: its kernel is 1-2% faster (0.924-0.934 against
+    the persistent pallas_gpu forward's 0.942 ms, results/attention_persistent_forward_in_order.json),
+    although pallas_gpu's call measured 1.10x cuDNN's in the interleaved rounds of
+    results/attention_H200_2026-11-24_run3.json: that lead is per-call time around the kernel,
+    which a call inside a larger jitted program largely shares with its neighbours, so here the
+    kernel decides. Attention without a position mask stays on cuDNN too
+    (1.593 against 1.720 ms). A differentiated call
     keeps the training priority above for its forward and backward (interface._split)."""
     q, k = args[0], args[1]
     spec = kwargs["spec"]

@@ -20,9 +20,9 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     consumer); at H = 64 and 256 each block is Q K^T, softmax, P V in turn.
   * WG 2 (producer, 24 registers) streams K and V blocks into a ring of `stages` SMEM slots
     (per-slot "loaded" mbarriers filled by TMA, "free" named barriers released by both consumers).
-  * Grid: at H = 64 persistent (one CTA per SM running the tiles `_balance` gives it, longest
-    first, so the next tile's loads overlap the current tile's end); otherwise one CTA per tile
-    (see `_PERSISTENT_HEAD_DIMS`).
+  * Grid: at H = 64 and 128 persistent (one CTA per SM running the tiles `_balance` gives it, in
+    tile order, so the next tile's loads overlap the current tile's end); at H = 256 one CTA per
+    tile (see `_PERSISTENT_HEAD_DIMS`).
   * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
     blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
     masked edge), so causal costs ~half of non-causal.
@@ -89,15 +89,18 @@ _SMEM_BUDGET = 200 * 1024
 _OVERLAP_HEAD_DIMS = (128,)
 # Persistent forward (`_Schedule`): one CTA per SM runs the tiles `_balance` gives it, so the
 # producer streams the next tile's K/V while the consumers finish the current tile, and a consumer
-# loads its next Q during its last P V. Measured on an H200 (benchmarks/tune_attention.py, causal,
-# results/attention_H200_persistent_forward.json): at H = 64 (sequential schedule) 0.685-0.73
-# against 0.78-0.79 ms for one CTA per tile; at H = 128 the overlapped loop spills 56 bytes when
-# persistent and ran 1.137 against 1.079 ms (GQA 0.931 against 0.926). Persistent dK/dV and dQ
-# kernels measured slower too (fwd+bwd 4.72 against 4.60 ms) and were not kept.
-# On at H = 64 only. An earlier GPU run of test_pallas_gpu_persistent_forward stalled (at causal
-# T > S, whose first tiles see no key): the ping-pong hazard `_PingPong.realign` closes; with it the
-# test passed on an H200 (4 cases, 256-512 tiles on 132 CTAs).
-_PERSISTENT_HEAD_DIMS = (64,)
+# loads its next Q during its last P V. A CTA per tile pays its launch, first loads and pipeline
+# ramp once per tile: with the same FLOPs, causal B1 T8192 (2048 tiles) ran 0.945 ms against
+# 1.057 for B4 T4096 (4096 tiles) on an H100. Measured with the tiles handed out in tile order
+# (benchmarks/tune_attention.py, causal, results/attention_persistent_forward_in_order.json):
+# H = 128 on an H200 1.020 against 1.065 ms for one CTA per tile (GQA T8192 0.929 against 0.951),
+# on an H100 1.002-1.016 against 1.018-1.031; H = 64 0.689 against 0.706 (H200, against the
+# longest-first table) and 0.692 against 0.787 (H100). ptxas spills 56 bytes in the H = 128
+# persistent kernel. Persistent dK/dV and dQ kernels measured slower (fwd+bwd 4.72 against 4.60
+# ms, results/attention_H200_persistent_forward.json) and were not kept; H = 256 was not tried.
+# An earlier GPU run of test_pallas_gpu_persistent_forward stalled (at causal T > S, whose first
+# tiles see no key): the ping-pong hazard `_PingPong.realign` closes.
+_PERSISTENT_HEAD_DIMS = (64, 128)
 # Keys per step of the dQ kernel at H <= 128 (wgmma N of q k^T and dO v^T). 128 measured 0.3-2.4%
 # faster fwd+bwd than 64 on every issue shape tried on an H200 (results/attention_H200_dq_block_kv.json),
 # though ptxas spills 104 bytes in the causal kernel.
@@ -289,15 +292,20 @@ def _unravel(t, dims):
 
 
 def _balance(steps: np.ndarray, ctas: int) -> np.ndarray:
-    """Longest-processing-time-first assignment of tiles to CTAs: tiles by decreasing cost (their
-    ring uses plus one for the prologue/epilogue), each to the CTA with the least work so far, ties
-    to the lower tile id (so tiles that start together are neighbours: heads of one block, L2
-    reuse). With round robin (tile i on CTA i mod #SMs) the GQA shape (few tiles per CTA, unequal
-    causal lengths) ran 0.999 against 0.892 ms per tile; balanced, 0.936 against 0.970 ms.
+    """Tiles to CTAs in tile order, each to the CTA with the least work so far (its tiles' ring
+    uses plus one each for the prologue/epilogue; ties to the lower CTA): what the hardware does
+    with one CTA per tile, known ahead. In tile order (`_forward`'s `tile`: heads fastest, then
+    query blocks) the ~#SMs tiles running at one time are a few query blocks of every head of one
+    batch, so each head's K/V is read by several of them at about the same time (L2 reuse).
+    Sorting all tiles longest first instead (LPT) runs one query block of every (batch, head) at
+    once, each streaming K/V no other tile reads: causal H = 64 0.787 against 0.692 ms, H = 128
+    1.515 against 1.002-1.016 (H100, results/attention_persistent_forward_in_order.json). Round
+    robin (tile i on CTA i mod #SMs)
+    leaves the causal lengths unbalanced (GQA 0.999 against 0.892 ms per tile, H200).
     Returns [ctas, 1 + R] int32: each CTA's tile count, then its tile ids in the order to run."""
     heap = [(0, c) for c in range(ctas)]
     lists = [[] for _ in range(ctas)]
-    for t in np.argsort(-steps, kind="stable"):
+    for t in range(len(steps)):
         work, c = heapq.heappop(heap)
         lists[c].append(t)
         heapq.heappush(heap, (work + int(steps[t]) + 1, c))
