@@ -36,9 +36,9 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
     although pallas_gpu's call measured 1.10x cuDNN's in the interleaved rounds of
     results/attention_H200_2026-11-24_run3.json: that lead is per-call time around the kernel,
     which a call inside a larger jitted program largely shares with its neighbours, so here the
-    kernel decides. Attention without a position mask stays on cuDNN too
-    (1.593 against 1.720 ms). A differentiated call
-    keeps the training priority above for its forward and backward (interface._split)."""
+    kernel decides. Attention without a position mask stays on cuDNN too (1.593 against 1.720
+    ms). A differentiated call keeps the training priority above for its forward and backward
+    (interface._split)."""
     q, k = args[0], args[1]
     spec = kwargs["spec"]
     if platform != "gpu" or not spec.has_position_mask:

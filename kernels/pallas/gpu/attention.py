@@ -94,10 +94,12 @@ _OVERLAP_HEAD_DIMS = (128,)
 # 1.057 for B4 T4096 (4096 tiles) on an H100. Measured with the tiles handed out in tile order
 # (benchmarks/tune_attention.py, causal, results/attention_persistent_forward_in_order.json):
 # H = 128 on an H200 1.020 against 1.065 ms for one CTA per tile (GQA T8192 0.929 against 0.951),
-# on an H100 1.002-1.016 against 1.018-1.031; H = 64 0.689 against 0.706 (H200, against the
-# longest-first table) and 0.692 against 0.787 (H100). ptxas spills 56 bytes in the H = 128
-# persistent kernel. Persistent dK/dV and dQ kernels measured slower (fwd+bwd 4.72 against 4.60
-# ms, results/attention_H200_persistent_forward.json) and were not kept; H = 256 was not tried.
+# on an H100 1.002 and 1.016 against 1.027 and 1.018 (two runs); H = 64 0.689 against 0.706
+# (H200, against the longest-first table) and 0.692 against 0.787 (H100). ptxas spills 56 bytes in
+# the H = 128 persistent kernel. At H = 256 persistent was within noise (0.481 against 0.487 ms,
+# H100) with 40 bytes spilled, so it stays one CTA per tile. Persistent dK/dV and dQ kernels
+# measured slower (fwd+bwd 4.72 against 4.60 ms, results/attention_H200_persistent_forward.json,
+# with the longest-first table) and were not kept.
 # An earlier GPU run of test_pallas_gpu_persistent_forward stalled (at causal T > S, whose first
 # tiles see no key): the ping-pong hazard `_PingPong.realign` closes.
 _PERSISTENT_HEAD_DIMS = (64, 128)
@@ -300,8 +302,8 @@ def _balance(steps: np.ndarray, ctas: int) -> np.ndarray:
     Sorting all tiles longest first instead (LPT) runs one query block of every (batch, head) at
     once, each streaming K/V no other tile reads: causal H = 64 0.787 against 0.692 ms, H = 128
     1.515 against 1.002-1.016 (H100, results/attention_persistent_forward_in_order.json). Round
-    robin (tile i on CTA i mod #SMs)
-    leaves the causal lengths unbalanced (GQA 0.999 against 0.892 ms per tile, H200).
+    robin (tile i on CTA i mod #SMs) leaves the causal lengths unbalanced (GQA 0.999 against 0.892
+    ms per tile, H200).
     Returns [ctas, 1 + R] int32: each CTA's tile count, then its tile ids in the order to run."""
     heap = [(0, c) for c in range(ctas)]
     lists = [[] for _ in range(ctas)]
