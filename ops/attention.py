@@ -31,14 +31,14 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
     cuDNN's and the call faster (H200, benchmarks/results/attention_H200_kernel_times.json, kernel /
     wall ms against cuDNN's: GQA T8192 0.823 / 0.868 against 0.883 / 0.971; window 4096 T16384
     1.562 / 1.625 against 1.598 / 1.693; H256 0.447 / 0.488 against 0.450 / 0.587). Plain causal
-    at head_dim <= 128 without GQA stays on cuDNN: its kernel is 1-2% faster (0.924-0.934 against
-    the persistent pallas_gpu forward's 0.942 ms, results/attention_persistent_forward_in_order.json),
-    although pallas_gpu's call measured 1.10x cuDNN's in the interleaved rounds of
-    results/attention_H200_2026-11-24_run3.json: that lead is per-call time around the kernel,
-    which a call inside a larger jitted program largely shares with its neighbours, so here the
-    kernel decides. Attention without a position mask stays on cuDNN too (1.593 against 1.720
-    ms). A differentiated call keeps the training priority above for its forward and backward
-    (interface._split)."""
+    at head_dim <= 128 without GQA stays on cuDNN: the evidence is mixed and inside the noise
+    between two timings of one computation (4-5%). cuDNN's kernel is 1-2% faster by CUPTI (0.924-
+    0.934 against the persistent pallas_gpu forward's 0.942 ms, H200,
+    results/attention_persistent_forward_in_order.json), while whole calls favour pallas_gpu
+    (1.08-1.13x in alternating-order rounds, results/attention_H200_2026-11-25_abba.json; 1.05x per
+    call in one program of 8, results/attention_in_program.json). Attention without a position
+    mask stays on cuDNN too (1.593 against 1.720 ms). A differentiated call keeps the training
+    priority above for its forward and backward (interface._split)."""
     q, k = args[0], args[1]
     spec = kwargs["spec"]
     if platform != "gpu" or not spec.has_position_mask:

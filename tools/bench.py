@@ -17,13 +17,14 @@ import argparse
 import ast
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform as host_platform
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,21 @@ def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float
         jax.block_until_ready(out)
         rounds.append((time.perf_counter() - start) / calls)
     return rounds
+
+
+def interleaved(timers: dict[str, Callable[[], list[float]]], reps: int) -> dict[str, list[float]]:
+    """Each timer's per-call times over `reps` rounds; a round runs every timer once, in the given
+    order on even rounds and reversed on odd ones. Interleaving spreads clock and thermal drift
+    over every candidate; reversing makes each one follow each neighbour, because a candidate timed
+    right after another runs in the state the other left: in one program, cuDNN's forward measured
+    1.084 ms right after pallas_gpu's and 1.042-1.047 after itself (H200,
+    benchmarks/results/attention_in_program.json)."""
+    times = {name: [] for name in timers}
+    names = list(timers)
+    for r in range(reps):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name] += timers[name]()
+    return times
 
 
 def temp_bytes(fn, args) -> float | None:
@@ -137,11 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"  skip {op_name} {shape.name} {mode} {name}: {e}", flush=True)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
                         print(f"  FAIL {op_name} {shape.name} {mode} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                # Interleaved rounds (A B C A B C ...): drift of clocks/thermals hits every candidate alike.
-                rounds = {name: [] for name in fns}
-                for _ in range(args.reps):
-                    for name, (fn, _) in fns.items():
-                        rounds[name] += time_call(fn, inputs, calls=args.calls, reps=1, warmup=0)
+                rounds = interleaved({name: functools.partial(time_call, fn, inputs, calls=args.calls, reps=1, warmup=0)
+                                      for name, (fn, _) in fns.items()}, args.reps)
                 row: list[Timing] = []
                 for name, (fn, temp) in fns.items():
                     med = statistics.median(rounds[name])
@@ -161,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "host": host_platform.node(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None, **_optional_versions()},
-        "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median per-call time over rounds; rounds interleaved across backends and anchors"},
+        "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median per-call time over rounds; rounds interleaved across backends and anchors, order reversed every other round"},
         "copy_ceiling_tb_per_s": ceiling / 1e12,
         "results": [dataclasses.asdict(t) for t in results],
     }

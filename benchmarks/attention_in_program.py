@@ -1,0 +1,67 @@
+"""Forward attention inside a larger jitted program, per call, interleaved across backends.
+
+    python benchmarks/attention_in_program.py [--layers 8] [--shape B,T,N,K,H] \
+        [--backend pallas_gpu] [--backend default] [--out program.json]
+
+tools/bench.py and tune_attention.py time one jitted attention call per executable, so each
+backend's time around its kernel (launch, custom-call setup) is in every number. In a model one
+executable runs many attention calls back to back. Here one jitted program runs `--layers` causal
+attention forwards, each layer's output the next layer's query, and the time per attention call
+is the program's time over `--layers` (median of interleaved rounds, tools/bench.py's method).
+This is the case ops/attention.py's `_inference_order` decides for forward-only calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+
+import jax
+from tune_attention import random_inputs  # this directory is on sys.path when run as a script; it adds tools/
+from bench import interleaved, time_call  # noqa: E402
+
+from forgeax import ops
+
+
+def program(attend, layers: int):
+    def run(q, k, v):
+        for _ in range(layers):
+            q = attend(q, k, v)
+        return q
+
+    return jax.jit(run)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", action="append", default=None)
+    parser.add_argument("--shape", default="4,4096,32,32,128", help="B,T,N,K,H (H = value head dim too)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--out", default="-")
+    args = parser.parse_args()
+    q, k, v, _ = random_inputs(args.shape)
+    attend = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")}
+    for backend in args.backend or ["pallas_gpu", "default"]:
+        attend["ops:cudnn" if backend == "cudnn" else backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
+            q, k, v, causal=True, backend=backend)
+    programs = {name: program(fn, args.layers) for name, fn in attend.items()}
+    for fn in programs.values():
+        jax.block_until_ready(fn(q, k, v))  # compile outside the rounds
+    rounds = interleaved({name: functools.partial(time_call, fn, (q, k, v), calls=args.calls, reps=1, warmup=1)
+                          for name, fn in programs.items()}, args.reps)
+    per_call = {name: statistics.median(times) * 1e3 / args.layers for name, times in rounds.items()}
+    results = {name: dict(ms_per_attention=ms, vs_cudnn=per_call["cudnn"] / ms) for name, ms in per_call.items()}
+    for name, r in results.items():
+        print(f"{name:12s} {r['ms_per_attention']:.3f} ms per attention call  {r['vs_cudnn']:.3f}x cuDNN", flush=True)
+    if args.out != "-":
+        with open(args.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, shape=args.shape, causal=True, layers=args.layers,
+                           calls=args.calls, reps=args.reps, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
