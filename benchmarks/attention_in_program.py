@@ -14,15 +14,18 @@ This is the case ops/attention.py's `_inference_order` decides for forward-only 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
+import os
 import statistics
+import sys
 
 import jax
-from tune_attention import random_inputs  # this directory is on sys.path when run as a script; it adds tools/
-from bench import interleaved, time_call  # noqa: E402
 
-from forgeax import ops
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from bench import interleaved  # noqa: E402
+from tune_attention import random_inputs  # noqa: E402
+
+from forgeax import ops  # noqa: E402
 
 
 def program(attend, layers: int):
@@ -51,8 +54,8 @@ def main() -> None:
     programs = {name: program(fn, args.layers) for name, fn in attend.items()}
     for fn in programs.values():
         jax.block_until_ready(fn(q, k, v))  # compile outside the rounds
-    rounds = interleaved({name: functools.partial(time_call, fn, (q, k, v), calls=args.calls, reps=1, warmup=1)
-                          for name, fn in programs.items()}, args.reps)
+    rounds = interleaved({name: (fn, (q, k, v)) for name, fn in programs.items()},
+                         calls=args.calls, rounds=args.reps, warmup=1)
     per_call = {name: statistics.median(times) * 1e3 / args.layers for name, times in rounds.items()}
     results = {name: dict(ms_per_attention=ms, vs_cudnn=per_call["cudnn"] / ms) for name, ms in per_call.items()}
     for name, r in results.items():

@@ -24,7 +24,6 @@ straight-line code, so the causal mask is applied to every tile.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -38,7 +37,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from bench import interleaved, time_call  # noqa: E402
+from bench import interleaved  # noqa: E402
 from tune_attention import random_inputs, rel_err  # noqa: E402
 
 _METADATA_BY_PTX: dict[str, dict] = {}
@@ -154,8 +153,8 @@ def main() -> None:
             continue
         report["results"][name] = {"rel_err_vs_cudnn": rel_err(out, reference)}
         timed[name] = fn
-    seconds = interleaved({name: functools.partial(time_call, fn, (q, k, v), calls=args.calls, reps=1, warmup=1)
-                           for name, fn in timed.items()}, args.rounds)
+    seconds = interleaved({name: (fn, (q, k, v)) for name, fn in timed.items()},
+                          calls=args.calls, rounds=args.rounds, warmup=1)
     rounds = {name: [t * 1e3 for t in ts] for name, ts in seconds.items()}
     flops = 4 * B * T * T * N * H / 2
     for name, ms in rounds.items():

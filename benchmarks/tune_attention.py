@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib
 import json
 import os
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from bench import interleaved, time_call  # noqa: E402
+from bench import interleaved  # noqa: E402
 
 from forgeax import ops  # noqa: E402
 
@@ -104,11 +103,11 @@ def main() -> None:
             candidates[variant] = fns
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported and dropped
             print(f"{variant}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-    timers = {}
+    timed = {}
     for name, (fwd, fwd_bwd) in candidates.items():
-        timers[(name, "fwd")] = functools.partial(time_call, fwd, (q, k, v), calls=args.calls, reps=1, warmup=1)
-        timers[(name, "fwd+bwd")] = functools.partial(time_call, fwd_bwd, (q, k, v, do), calls=args.calls, reps=1, warmup=1)
-    rounds = interleaved(timers, args.reps)
+        timed[(name, "fwd")] = (fwd, (q, k, v))
+        timed[(name, "fwd+bwd")] = (fwd_bwd, (q, k, v, do))
+    rounds = interleaved(timed, calls=args.calls, rounds=args.reps, warmup=1)
     results = []
     for (name, mode), times in rounds.items():
         ms = statistics.median(times) * 1e3

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from bench import interleaved, time_call  # noqa: E402
+from bench import interleaved  # noqa: E402
 
 from forgeax import ops  # noqa: E402
 
@@ -90,9 +89,8 @@ def main() -> None:
         errors = {"loss_abs": float(abs(float(loss1) - float(lossn)))}
         for i, (g1, gn) in enumerate(zip(grads1, gradsn)):
             errors[f"grad{i}_rel"] = _rel(jax.device_get(gn), jax.device_get(g1))
-        times = interleaved({"single": functools.partial(time_call, case["single"], one, calls=args.calls, reps=1, warmup=1),
-                             "parallel": functools.partial(time_call, case["parallel"], many, calls=args.calls, reps=1, warmup=1)},
-                            args.reps)
+        times = interleaved({"single": (case["single"], one), "parallel": (case["parallel"], many)},
+                            calls=args.calls, rounds=args.reps, warmup=1)
         row = {"op": name, "devices": n, "options": options, "loss_single": float(loss1), "loss_parallel": float(lossn), **errors,
                "single_ms": statistics.median(times["single"]) * 1e3, "parallel_ms": statistics.median(times["parallel"]) * 1e3,
                "single_backend": "default", "parallel_backend": "xla" if name == "cross_entropy" else "xla_chunked"}

@@ -17,14 +17,13 @@ import argparse
 import ast
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import platform as host_platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -73,18 +72,20 @@ def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float
     return rounds
 
 
-def interleaved(timers: dict[str, Callable[[], list[float]]], reps: int) -> dict[str, list[float]]:
-    """Each timer's per-call times over `reps` rounds; a round runs every timer once, in the given
-    order on even rounds and reversed on odd ones. Interleaving spreads clock and thermal drift
-    over every candidate; reversing makes each one follow each neighbour, because a candidate timed
-    right after another runs in the state the other left: in one program, cuDNN's forward measured
-    1.084 ms right after pallas_gpu's and 1.042-1.047 after itself (H200,
-    benchmarks/results/attention_in_program.json)."""
-    times = {name: [] for name in timers}
-    names = list(timers)
-    for r in range(reps):
+def interleaved(candidates: dict[Hashable, tuple[Callable, tuple]], *, calls: int, rounds: int,
+                warmup: int) -> dict[Hashable, list[float]]:
+    """Per-call seconds of each candidate `fn(*args)` over `rounds` rounds; a round times every
+    candidate once (`time_call`, `calls` calls after `warmup`), in the given order on even rounds
+    and reversed on odd ones. Interleaving spreads clock and thermal drift over every candidate;
+    reversing makes each one follow each neighbour, because a candidate timed right after another
+    runs in the state the other left: in one program, cuDNN's forward measured 1.084-1.097 ms right
+    after pallas_gpu's and 1.042-1.050 otherwise (H200, benchmarks/results/attention_in_program.json)."""
+    times = {name: [] for name in candidates}
+    names = list(candidates)
+    for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            times[name] += timers[name]()
+            fn, args = candidates[name]
+            times[name] += time_call(fn, args, calls=calls, reps=1, warmup=warmup)
     return times
 
 
@@ -153,8 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"  skip {op_name} {shape.name} {mode} {name}: {e}", flush=True)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
                         print(f"  FAIL {op_name} {shape.name} {mode} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                rounds = interleaved({name: functools.partial(time_call, fn, inputs, calls=args.calls, reps=1, warmup=0)
-                                      for name, (fn, _) in fns.items()}, args.reps)
+                rounds = interleaved({name: (fn, inputs) for name, (fn, _) in fns.items()},
+                                     calls=args.calls, rounds=args.reps, warmup=0)
                 row: list[Timing] = []
                 for name, (fn, temp) in fns.items():
                     med = statistics.median(rounds[name])
