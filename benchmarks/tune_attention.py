@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="-")
+    parser.add_argument("--kernel-times", type=int, default=0, metavar="ITERATIONS",
+                        help="also CUPTI kernel times of every fwd+bwd, in 3 rounds of this many calls "
+                             "(alternating order), medians per kernel")
     parser.add_argument("--no-check", action="store_true",
                         help="time variants even when their results are wrong (bottleneck diagnostics)")
     args = parser.parse_args()
@@ -115,10 +118,31 @@ def main() -> None:
         tflops = flops * (1 if mode == "fwd" else 3.5) / (ms * 1e-3) / 1e12
         results.append(dict(variant=name, mode=mode, median_ms=ms, tflop_per_s=tflops, vs_cudnn=base / ms))
         print(f"{name:40s} {mode:8s} {ms:8.3f} ms {tflops:6.0f} TFLOP/s {base / ms:5.2f}x cuDNN", flush=True)
+    kernels = _kernel_times(candidates, (q, k, v, do), args.kernel_times) if args.kernel_times else {}
     if args.out != "-":
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, backend=args.backend, shape=args.shape, causal=causal,
-                           results=results), f, indent=1)
+                           results=results, fwd_bwd_kernel_ms=kernels), f, indent=1)
+
+
+def _kernel_times(candidates, args, iterations: int) -> dict[str, dict[str, float]]:
+    """Per candidate, median CUPTI ms of each kernel of its fwd+bwd over 3 rounds (the order
+    reversed in the middle one); kernel times do not include launch gaps or host dispatch."""
+    from attention_kernel_times import kernel_times  # lazily: it imports this module
+
+    per_round = {name: [] for name in candidates}
+    names = list(candidates)
+    for r in range(3):
+        for name in names if r != 1 else names[::-1]:
+            per_round[name].append(kernel_times(candidates[name][1], args, iterations))
+    out = {}
+    for name, rounds in per_round.items():
+        out[name] = {kernel: statistics.median(r[kernel] for r in rounds) for kernel in rounds[0]}
+        total = sum(out[name].values())
+        print(f"{name:40s} fwd+bwd kernels {total:8.3f} ms: "
+              + ", ".join(f"{kernel[:24]} {ms:.3f}" for kernel, ms in sorted(out[name].items(), key=lambda kv: -kv[1])),
+              flush=True)
+    return out
 
 
 if __name__ == "__main__":

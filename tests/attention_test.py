@@ -123,9 +123,10 @@ def test_head_dim_128_multi_block(backend, case, deterministic):
     _check(backend, args, dict(kwargs, deterministic=deterministic))
 
 
-# pallas_gpu's persistent forward (on at head_dim 64 and 128, see _PERSISTENT_HEAD_DIMS): more
-# tiles than the GPU has SMs, so CTAs run several tiles each from the balanced table (the
-# interpreter runs it with 2 CTAs on small shapes; test_head_dim_128_multi_block covers 128).
+# pallas_gpu's persistent kernels (forward and backward, on at head_dim 64 and 128, see
+# _PERSISTENT_*HEAD_DIMS): more tiles than the GPU has SMs, so CTAs
+# run several tiles each from the balanced table (the interpreter runs them with 2 CTAs on small
+# shapes; test_head_dim_128_multi_block covers 128). The check covers dq, dk and dv.
 PERSISTENT_CASES = {
     "causal": (2048, 2048, dict(causal=True)),
     "full_T<S": (1024, 2048, dict()),
@@ -136,7 +137,7 @@ PERSISTENT_CASES = {
 
 @pytest.mark.skipif(ON_CPU or "pallas_gpu" not in BACKENDS, reason="GPU only: hundreds of tiles")
 @pytest.mark.parametrize("case", PERSISTENT_CASES)
-def test_pallas_gpu_persistent_forward(case):
+def test_pallas_gpu_persistent(case):
     T, S, kwargs = PERSISTENT_CASES[case]
     _check("pallas_gpu", _qkv(2, T, S, 16, 4, 64, jnp.bfloat16, seed=T + 5 * S), kwargs)
 
@@ -170,8 +171,9 @@ def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, grid, monke
 
 
 # pallas_gpu's dK/dV kernel has two step orders (FA3's at head_dim 64, the other at 128, see
-# _DKV_FA3_ORDER_HEAD_DIMS); the interpreter runs both at head_dim 64, with GQA (dK/dV summed over
-# the group), a window and a soft cap.
+# _DKV_FA3_ORDER_HEAD_DIMS), and both backward kernels a persistent and a per-tile grid
+# (_PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS); the interpreter runs each at head_dim 64, with GQA (dK/dV summed
+# over the group), a window and a soft cap.
 BACKWARD_ORDER_CASES = {
     "causal_gqa": (256, 256, dict(causal=True)),
     "window_soft_cap_T<S": (128, 384, dict(causal=True, window=(100, 0), logit_soft_cap=5.0)),
@@ -179,15 +181,20 @@ BACKWARD_ORDER_CASES = {
 
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
+@pytest.mark.parametrize("grid", ["persistent", "per_tile"])
 @pytest.mark.parametrize("order", ["fa3", "three_waits"])
 @pytest.mark.parametrize("case", BACKWARD_ORDER_CASES)
-def test_pallas_gpu_backward_orders_in_interpreter(case, order, monkeypatch):
+def test_pallas_gpu_backward_orders_in_interpreter(case, order, grid, monkeypatch):
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
 
     monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
+    for name in ("_PERSISTENT_DKV_HEAD_DIMS", "_PERSISTENT_DQ_HEAD_DIMS"):
+        monkeypatch.setattr(pallas_gpu_attention, name, (64,) if grid == "persistent" else ())
     T, S, kwargs = BACKWARD_ORDER_CASES[case]
-    # Head counts no other test traces (so no cached trace of the other order is reused), group of 3.
-    N, K = (6, 2) if order == "fa3" else (9, 3)
+    # Head counts no other test traces (so no cached trace of another variant is reused), groups
+    # of 2 and 3. The interpreter's persistent grid has 2 CTAs.
+    N, K = {("fa3", "persistent"): (6, 2), ("three_waits", "persistent"): (9, 3),
+            ("fa3", "per_tile"): (10, 5), ("three_waits", "per_tile"): (12, 4)}[order, grid]
     _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 3 * S + N), kwargs)
 
 
@@ -330,6 +337,27 @@ def test_lse_and_its_gradient_match_reference(backend):
     assert conformance.relative_error(got[0], want[0]) < 1e-4
     for g, r in zip(got[1], want[1]):
         assert conformance.relative_error(g, r) < 1e-3
+
+
+@pytest.mark.parametrize("backend", _all_backends())
+def test_lse_gradient_at_kernel_tile_sizes(backend):
+    """As above in bf16 at multiples of 128 with GQA, where pallas_gpu runs (its dQ kernel folds
+    the lse cotangent into delta = rowsum(dout * out) - dlse)."""
+    q, k, v = _qkv(1, 256, 384, 4, 2, 64, jnp.bfloat16, seed=19)
+    w = jnp.asarray(_rng(2).standard_normal((1, 256, 4)).astype(np.float32))
+
+    def loss(q, k, v, backend):
+        out, lse = ops.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+        return jnp.sum(out.astype(jnp.float32)) * 0.1 + jnp.sum(lse * w)
+
+    try:
+        got = jax.jit(jax.grad(functools.partial(loss, backend=backend), (0, 1, 2)))(q, k, v)
+    except interface.UnsupportedError as e:
+        pytest.skip(str(e))
+    up = lambda a: a.astype(jnp.float32)
+    want = jax.grad(lambda q, k, v: loss(q, k, v, "xla"), (0, 1, 2))(up(q), up(k), up(v))
+    for g, r in zip(got, want):
+        assert conformance.relative_error(g, r) < TOLERANCE[jnp.dtype(jnp.bfloat16)]
 
 
 @pytest.mark.parametrize("backend", _all_backends())
