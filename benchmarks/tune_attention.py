@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=None)
     parser.add_argument("--shape", default="4,4096,32,32,128", help="B,T,N,K,H")
     parser.add_argument("--causal", type=int, default=1)
+    parser.add_argument("--window", type=int, default=None, help="left window size (with causal)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="-")
@@ -71,7 +72,13 @@ def main() -> None:
     B, T, N, K, H = (int(d) for d in args.shape.split(","))
     q, k, v, do = random_inputs(args.shape)
     causal = bool(args.causal)
-    flops = 4.0 * B * N * H * (T * (T + 1) / 2 if causal else T * T)
+    window = None if args.window is None else (args.window, 0)
+    # Visible (query, key) pairs: causal T(T+1)/2, less those beyond a window of w keys to the left.
+    pairs = T * (T + 1) / 2 if causal else T * T
+    if window is not None:
+        far = max(T - args.window - 1, 0)
+        pairs -= far * (far + 1) / 2
+    flops = 4.0 * B * N * H * pairs
 
     def steps(fn):
         fwd = jax.jit(fn)
@@ -82,7 +89,8 @@ def main() -> None:
 
         return fwd, jax.jit(fwd_bwd)
 
-    cudnn = steps(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
+    cudnn = steps(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn"))
     candidates = {"cudnn": cudnn}
     defaults = {}
     for variant in args.variant or ["default"]:
@@ -93,7 +101,7 @@ def main() -> None:
             if dataclasses.is_dataclass(defaults[name]) and isinstance(value, tuple):
                 value = type(defaults[name])(*value)  # a config dataclass from its fields in order
             setattr(module, name, value)
-        fns = steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, backend=args.backend))
+        fns = steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, window=window, backend=args.backend))
         # Trace + compile now, while the constants hold this variant's values.
         try:
             jax.block_until_ready(fns[0](q, k, v))
@@ -121,7 +129,7 @@ def main() -> None:
     kernels = _kernel_times(candidates, (q, k, v, do), args.kernel_times) if args.kernel_times else {}
     if args.out != "-":
         with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, backend=args.backend, shape=args.shape, causal=causal,
+            json.dump(dict(device=jax.devices()[0].device_kind, backend=args.backend, shape=args.shape, causal=causal, window=window,
                            results=results, fwd_bwd_kernel_ms=kernels), f, indent=1)
 
 

@@ -31,10 +31,10 @@ Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and writes d
   * dQ kernel: one CTA = 128 query rows of one (b, n), consumers own 64 rows, the producer
     streams the tile's O rows, then K/V blocks of `_DQ_BLOCK_KV` keys:
         delta = rowsum(dO * O) - dlse;  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
-  * dK/dV kernel (persistent at H = 64 and 128, `_PERSISTENT_DKV_HEAD_DIMS`): tiles of 128 keys
-    of one (b, kv head); each consumer WG owns 64 keys (K, V in SMEM), loops over the G query
-    heads of its group and the query blocks (64 rows) that see its keys, streamed by the
-    producer WG (Q, dO, lse, delta per ring slot):
+  * dK/dV kernel (persistent at H = 64 and 128 without a left window, `_PERSISTENT_DKV_HEAD_DIMS`):
+    tiles of 128 keys of one (b, kv head); each consumer WG owns 64 keys (K, V in SMEM), loops
+    over the G query heads of its group and the query blocks (64 rows) that see its keys,
+    streamed by the producer WG (Q, dO, lse, delta per ring slot):
         pT = exp2(s^T - lse);  dv += pT dO;  dpT = v dO^T;  dsT = pT (dpT - delta);  dk += dsT q
     dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
   * H = 256: dk + dv would need 256 accumulator registers per thread, so the H = 256 backward is
@@ -106,11 +106,13 @@ _OVERLAP_HEAD_DIMS = (128,)
 # first tiles see no key): the ping-pong hazard `_PingPong.realign` closes.
 _PERSISTENT_HEAD_DIMS = (64, 128)
 # Persistent backward kernels (`_Schedule` in tile order, as the forward). CUPTI kernel ms on an H100
-# at causal B4 T4096 N32 H128 (benchmarks/tune_attention.py --kernel-times, medians of 3 rounds,
-# results/attention_H100_persistent_backward.json): dK/dV 1.730-1.739 persistent against 1.758-1.791
-# per tile (ptxas spills 84 against 16 bytes), kept. dQ 1.182 persistent against 1.197 per tile
-# while delta was a separate reduction, but 1.419 against 1.224 once the dQ kernel computes delta
-# (spills 268 against 116 bytes), so dQ stays one CTA per tile.
+# (benchmarks/tune_attention.py --kernel-times, medians of 3 rounds,
+# results/attention_H100_persistent_backward.json), persistent against one CTA per tile: dK/dV at
+# causal B4 T4096 N32 H128 1.730-1.739 against 1.758-1.791 (ptxas spills 84 against 16 bytes), at
+# H = 64 0.999 against 1.094, non-causal 3.399 against 3.477, but with window 4096 at T16384 3.374
+# against 3.062 (spills 188 against 208 bytes): persistent except with a left window. dQ 1.182
+# against 1.197 while delta was a separate reduction, but 1.419 against 1.224 once the dQ kernel
+# computes delta (spills 268 against 116 bytes), so dQ stays one CTA per tile.
 _PERSISTENT_DKV_HEAD_DIMS = (64, 128)
 _PERSISTENT_DQ_HEAD_DIMS = ()
 # Keys per step of the dQ kernel (wgmma N of q k^T and dO v^T; at least 128, since a tile's O rows
@@ -797,7 +799,9 @@ def _dkv(q, k, v, do, lse2, delta, spec):
         return _Tile.of(t, (K, S // _CTA, B), band, bq, T, last_first=False)
 
     steps_of = lambda t: G * tile(t).steps  # ring uses: every query head of the group
-    schedule = _Schedule.of(steps_of, K * (S // _CTA) * B, H in _PERSISTENT_DKV_HEAD_DIMS, interpret)
+    # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS).
+    persistent = H in _PERSISTENT_DKV_HEAD_DIMS and spec.window_left is None
+    schedule = _Schedule.of(steps_of, K * (S // _CTA) * B, persistent, interpret)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, dk_ref, dv_ref,
                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free):
