@@ -1,6 +1,6 @@
-"""Forward attention inside a larger jitted program, per call, interleaved across backends.
+"""Attention inside a larger jitted program, per call, interleaved across backends.
 
-    python benchmarks/attention_in_program.py [--layers 8] [--shape B,T,N,K,H] \
+    python benchmarks/attention_in_program.py [--layers 8] [--shape B,T,N,K,H] [--mode fwd+bwd] \
         [--backend pallas_gpu] [--backend default] [--out program.json]
 
 tools/bench.py and tune_attention.py time one jitted attention call per executable, so each
@@ -8,7 +8,9 @@ backend's time around its kernel (launch, custom-call setup) is in every number.
 executable runs many attention calls back to back. Here one jitted program runs `--layers` causal
 attention forwards, each layer's output the next layer's query, and the time per attention call
 is the program's time over `--layers` (median of interleaved rounds, tools/bench.py's method).
-This is the case ops/attention.py's `_inference_order` decides for forward-only calls.
+With `--mode fwd+bwd` the program also runs the backward through every layer (vjp, the output as
+its own cotangent). Forward-only is the case ops/attention.py's `_inference_order` decides,
+fwd+bwd the one its `_training_order` decides.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ from tune_attention import random_inputs  # noqa: E402
 from forgeax import ops  # noqa: E402
 
 
-def program(attend, layers: int):
+def program(attend, layers: int, mode: str):
     def run(q, k, v):
         for _ in range(layers):
             q = attend(q, k, v)
         return q
 
-    return jax.jit(run)
+    def train(q, k, v):
+        out, pull = jax.vjp(run, q, k, v)
+        return pull(out)
+
+    return jax.jit(run if mode == "fwd" else train)
 
 
 def main() -> None:
@@ -42,6 +48,7 @@ def main() -> None:
     parser.add_argument("--backend", action="append", default=None)
     parser.add_argument("--shape", default="4,4096,32,32,128", help="B,T,N,K,H (H = value head dim too)")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default="-")
@@ -51,7 +58,7 @@ def main() -> None:
     for backend in args.backend or ["pallas_gpu", "default"]:
         attend["ops:cudnn" if backend == "cudnn" else backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
             q, k, v, causal=True, backend=backend)
-    programs = {name: program(fn, args.layers) for name, fn in attend.items()}
+    programs = {name: program(fn, args.layers, args.mode) for name, fn in attend.items()}
     for fn in programs.values():
         jax.block_until_ready(fn(q, k, v))  # compile outside the rounds
     rounds = interleaved({name: (fn, (q, k, v)) for name, fn in programs.items()},
@@ -62,7 +69,8 @@ def main() -> None:
         print(f"{name:12s} {r['ms_per_attention']:.3f} ms per attention call  {r['vs_cudnn']:.3f}x cuDNN", flush=True)
     if args.out != "-":
         with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, shape=args.shape, causal=True, layers=args.layers,
+            json.dump(dict(device=jax.devices()[0].device_kind, shape=args.shape, causal=True, mode=args.mode,
+                           layers=args.layers,
                            calls=args.calls, reps=args.reps, results=results), f, indent=1)
 
 

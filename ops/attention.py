@@ -12,8 +12,8 @@ from forgeax.kernels.common.attention import AttentionSpec, dropout_seed_from_ke
 from forgeax.ops import checks
 from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 
-# Priority on each platform, best first (xla is always the fallback); for calls that are not
-# differentiated `_inference_order` goes first. The xla entry on CPU/GPU/TPU is the materialised
+# Priority on each platform, best first (xla is always the fallback); `_training_order` goes first
+# for the calls it names, and for calls that are not differentiated `_inference_order` before that. The xla entry on CPU/GPU/TPU is the materialised
 # reference; "xla_chunked" is the linear-memory XLA version.
 # GPU: cuDNN (through XLA) first for the calls it computes exactly (see its supports(): no bias,
 # mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 its fwd+bwd was
@@ -47,6 +47,21 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
         return ("pallas_gpu",)
     return ()
 
+def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
+    """Calls that try pallas_gpu before cuDNN, for the forward and the backward: causal attention
+    without a window at head_dim 64, where its fwd+bwd measured 1.09x cuDNN's (H100, causal B4
+    T4096 N32: 2.459 against 2.689 ms in tools/bench.py's alternating rounds,
+    results/attention_H100_2026-11-25_persistent_bwd.json; 2.489 against 2.705 in
+    tune_attention.py, CUPTI kernels 2.408 against 2.467 ms,
+    results/attention_H100_persistent_backward.json). At head_dim 128 cuDNN stays first: whole
+    calls measured 1.02x for pallas_gpu but its kernels take longer (3.889 against 3.782 ms)."""
+    q, k = args[0], args[1]
+    spec = kwargs["spec"]
+    if platform == "gpu" and spec.causal and spec.window_left is None and q.shape[3] == 64:
+        return ("pallas_gpu",)
+    return ()
+
+
 ATTENTION = define_op(
     "attention",
     {
@@ -59,6 +74,7 @@ ATTENTION = define_op(
     },
     _PRIORITY,
     inference_order=_inference_order,
+    training_order=_training_order,
 )
 
 

@@ -12,9 +12,11 @@ Selection, written once for every op:
     measured `Tuned` rule for this device kind and shape goes first), take the
     first implementation that loads, runs on this platform and `supports(...)`
     the call; `xla` is always the last resort.
-  * An op may also name, per call, backends to try first when the call is not
-    differentiated (`inference_order`: a forward measured faster than the best
-    training pair's). When that choice differs from the one above, the call runs
+  * An op may name, per call, backends to try before its priority
+    (`training_order`: a forward + backward pair measured faster for this kind of
+    call), and backends to try first when the call is not differentiated
+    (`inference_order`: a forward measured faster than the best training pair's).
+    When the inference choice differs from the training one, the call runs
     the inference backend and its gradient (under `jax.grad`/`vjp`) the training
     backend's forward and backward: see `_split`.
   * `backend="<name>"`: that implementation, or `UnsupportedError` with the
@@ -228,8 +230,8 @@ class Decision:
 _RECORDER: contextvars.ContextVar[list[Decision] | None] = contextvars.ContextVar("forgeax_recorder", default=None)
 
 
-# An op's forward-only preference: (platform, args, kwargs) -> backends to try first.
-InferenceOrder = Callable[[str, Sequence[Any], Mapping[str, Any]], Sequence[str]]
+# An op's per-call preference: (platform, args, kwargs) -> backends to try first.
+BackendOrder = Callable[[str, Sequence[Any], Mapping[str, Any]], Sequence[str]]
 
 
 def _split(inference: Implementation, training: Implementation, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -267,7 +269,8 @@ class Op:
         backends: Mapping[str, ImplementationRef],
         priority: Mapping[str, Sequence[str]],
         tuned: Sequence[Tuned] = (),
-        inference_order: InferenceOrder | None = None,
+        inference_order: BackendOrder | None = None,
+        training_order: BackendOrder | None = None,
     ) -> None:
         if "xla" not in backends:
             raise ValueError(f"op {name!r}: backends must include the 'xla' reference")
@@ -277,6 +280,7 @@ class Op:
         self._priority: dict[str, tuple[str, ...]] = {p: tuple(priority.get(p, ())) for p in PLATFORMS}
         self.tuned: tuple[Tuned, ...] = tuple(tuned)
         self.inference_order = inference_order
+        self.training_order = training_order
 
     # -- registry ---------------------------------------------------------------------------
     @property
@@ -339,7 +343,8 @@ class Op:
                prefer: Sequence[str] = ()) -> tuple[str, Implementation, tuple[tuple[str, str], ...]]:
         """(name, implementation, skipped) for this call; raises UnsupportedError if an explicit choice cannot run it.
 
-        prefer: with backend=None, backends to try before the priority (the op's `inference_order`)."""
+        prefer: with backend=None, backends to try before the priority (the op's `training_order`
+        or `inference_order`)."""
         platform = current_platform()
         candidates = self._candidates(backend, platform, args)
         if backend is None:
@@ -355,7 +360,10 @@ class Op:
         raise UnsupportedError(f"{self.name}: backend={backend!r} cannot run this call on {platform}: {detail}")
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
-        name, impl, skipped = self.select(backend, args, kwargs)
+        first: tuple[str, ...] = ()
+        if backend is None and self.training_order is not None:
+            first = tuple(self.training_order(current_platform(), args, kwargs))
+        name, impl, skipped = self.select(backend, args, kwargs, prefer=first)
         gradient_name = None
         prefer: tuple[str, ...] = ()
         if backend is None and self.inference_order is not None:
@@ -383,12 +391,13 @@ def define_op(
     backends: Mapping[str, ImplementationRef],
     priority: Mapping[str, Sequence[str]],
     tuned: Sequence[Tuned] = (),
-    inference_order: InferenceOrder | None = None,
+    inference_order: BackendOrder | None = None,
+    training_order: BackendOrder | None = None,
 ) -> Op:
     """Creates and registers a new op (forgeax's own ops are defined this way too)."""
     if name in OPS:
         raise ValueError(f"name: op {name!r} is already defined")
-    op = Op(name, backends, priority, tuned, inference_order)
+    op = Op(name, backends, priority, tuned, inference_order, training_order)
     OPS[name] = op
     return op
 

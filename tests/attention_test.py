@@ -422,14 +422,34 @@ def test_jit_grad_vmap_checkpoint_bf16(backend):
 
 # backend=None on a Hopper GPU: (N, K, H, options) -> (backend of a call that is not differentiated,
 # backend of its forward and backward under a gradient; None = the same one). See
-# ops/attention.py's _inference_order for the measurements behind the split.
+# ops/attention.py's _inference_order and _training_order for the measurements behind the split.
 DEFAULT_SPLIT_CASES = {
     "gqa": (8, 2, 128, dict(causal=True), ("pallas_gpu", "cudnn")),
     "window": (4, 4, 128, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
     "head_dim_256": (4, 4, 256, dict(causal=True), ("pallas_gpu", "cudnn")),
     "causal_mha": (4, 4, 128, dict(causal=True), ("cudnn", None)),
     "full_gqa": (8, 2, 128, dict(), ("cudnn", None)),
+    # ops/attention.py's _training_order: pallas_gpu for both at causal head_dim 64 without a window.
+    "causal_head_dim_64": (4, 4, 64, dict(causal=True), ("pallas_gpu", None)),
+    "window_head_dim_64": (4, 4, 64, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
+    "full_head_dim_64": (4, 4, 64, dict(), ("cudnn", None)),
 }
+
+
+def test_training_order_rule():
+    """Which calls _training_order sends to pallas_gpu first (the GPU test above runs them)."""
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.ops.attention import _training_order
+
+    def order(H, platform="gpu", **spec):
+        q = jax.ShapeDtypeStruct((1, 256, 4, H), jnp.bfloat16)
+        return _training_order(platform, (q, q, q), {"spec": AttentionSpec(**spec)})
+
+    assert order(64, causal=True) == ("pallas_gpu",)
+    assert order(64, platform="tpu", causal=True) == ()
+    assert order(128, causal=True) == ()
+    assert order(64) == ()
+    assert order(64, causal=True, window_left=100, window_right=0) == ()
 
 
 @pytest.mark.skipif(ON_CPU, reason="GPU only: the split involves cudnn and pallas_gpu")

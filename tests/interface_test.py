@@ -184,3 +184,27 @@ def test_inference_order_runs_one_backend_and_differentiates_another(monkeypatch
     assert jnp.allclose(op(x, ids, power=3)[0], x ** 3 + 2000)
     assert forgeax.explain(lambda x: op(x, ids, power=3)[0], x).decisions[0].gradient_backend is None
     assert jnp.allclose(jax.grad(lambda x: op(x, ids, power=2, backend="fast_forward")[0].sum())(x), 0 * x)
+
+
+def test_training_order_puts_backends_before_the_priority_per_call(monkeypatch):
+    """An op's training_order picks, per call, backends to try before its priority, for the call
+    and its gradient alike; an explicit backend ignores it."""
+    everywhere = {"cpu", "gpu", "tpu"}
+    exact = lambda x, p: x ** p  # noqa: E731
+    op = interface.Op(
+        "training_order_probe",
+        {
+            "xla": forgeax.Implementation(fn=_with_gradient(exact, lambda x, p: p * x ** (p - 1)), platforms=everywhere),
+            "usual": forgeax.Implementation(fn=_with_gradient(lambda x, p: exact(x, p) + 1000, lambda x, p: 2 * p * x ** (p - 1)), platforms=everywhere),
+            "better_here": forgeax.Implementation(fn=_with_gradient(lambda x, p: exact(x, p) + 2000, lambda x, p: 3 * p * x ** (p - 1)), platforms=everywhere),
+        },
+        priority={"gpu": ("usual", "better_here")},
+        training_order=lambda platform, args, kwargs: ("better_here",) if kwargs["power"] == 2 else (),
+    )
+    monkeypatch.setattr(interface, "current_platform", lambda: "gpu")
+    x, ids = jnp.array([1.0, 2.0, 3.0]), jnp.arange(3)
+    assert jnp.allclose(op(x, ids, power=2)[0], x ** 2 + 2000)
+    assert jnp.allclose(jax.grad(lambda x: op(x, ids, power=2)[0].sum())(x), 3 * 2 * x)
+    assert forgeax.explain(lambda x: op(x, ids, power=2)[0], x).decisions[0].backend == "better_here"
+    assert jnp.allclose(op(x, ids, power=3)[0], x ** 3 + 1000)  # no preference: the priority
+    assert jnp.allclose(op(x, ids, power=2, backend="usual")[0], x ** 2 + 1000)
