@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--kernel-times", type=int, default=0, metavar="ITERATIONS",
+                        help="also print each program's CUPTI kernel times (median ms per kernel name)")
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
     q, k, v, _ = random_inputs(args.shape)
@@ -67,6 +69,15 @@ def main() -> None:
     results = {name: dict(ms_per_attention=ms, vs_cudnn=per_call["cudnn"] / ms) for name, ms in per_call.items()}
     for name, r in results.items():
         print(f"{name:12s} {r['ms_per_attention']:.3f} ms per attention call  {r['vs_cudnn']:.3f}x cuDNN", flush=True)
+    if args.kernel_times:
+        from attention_kernel_times import kernel_times
+
+        for name, fn in programs.items():
+            times = kernel_times(fn, (q, k, v), args.kernel_times)
+            results[name]["kernels_ms"] = times
+            print(f"{name}: kernels {sum(times.values()):.3f} ms per program", flush=True)
+            for kernel, ms in sorted(times.items(), key=lambda kv: -kv[1]):
+                print(f"  {ms:8.3f} ms  {kernel[:110]}")
     if args.out != "-":
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, shape=args.shape, causal=True, mode=args.mode,

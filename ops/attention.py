@@ -49,15 +49,18 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
 
 def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     """Calls that try pallas_gpu before cuDNN, for the forward and the backward: causal attention
-    without a window at head_dim 64, where its fwd+bwd measured 1.09x cuDNN's (H100, causal B4
-    T4096 N32: 2.459 against 2.689 ms in tools/bench.py's alternating rounds,
-    results/attention_H100_2026-11-25_persistent_bwd.json; 2.489 against 2.705 in
-    tune_attention.py, CUPTI kernels 2.408 against 2.467 ms,
-    results/attention_H100_persistent_backward.json). At head_dim 128 cuDNN stays first: whole
-    calls measured 1.02x for pallas_gpu but its kernels take longer (3.889 against 3.782 ms)."""
-    q, k = args[0], args[1]
+    without a window at head_dim 64. Its fwd+bwd measured (causal B4 T4096 N32, against cuDNN's):
+    1.09x in tools/bench.py's alternating rounds on an H100 (2.459 against 2.689 ms,
+    results/attention_H100_2026-11-25_persistent_bwd.json) and 1.05x on an H200 (2.501 against
+    2.638, results/attention_H200_2026-11-25_final.json); CUPTI kernels 2.408 against 2.467 ms
+    (H100, results/attention_H100_persistent_backward.json); inside a program of 4 layers 1.01x
+    (H100) and 0.99x (H200, results/attention_in_program_fwd_bwd.json): at least even, and its
+    backward is deterministic. At head_dim 128 cuDNN stays first: pallas_gpu's kernels take longer
+    (3.889 against 3.782 ms) and in a program it measured 0.92-0.94x (its 7-matmul backward draws
+    more power per call and runs at a lower clock under the power cap,
+    results/attention_power_fwd_bwd_H100.json)."""
     spec = kwargs["spec"]
-    if platform == "gpu" and spec.causal and spec.window_left is None and q.shape[3] == 64:
+    if platform == "gpu" and spec.causal and spec.window_left is None and args[0].shape[3] == 64:
         return ("pallas_gpu",)
     return ()
 
