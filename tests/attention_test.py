@@ -198,6 +198,17 @@ def test_pallas_gpu_backward_orders_in_interpreter(case, order, grid, monkeypatc
     _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 3 * S + N), kwargs)
 
 
+@pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
+@pytest.mark.parametrize("case", BACKWARD_ORDER_CASES)
+def test_pallas_gpu_backward_with_xla_delta_in_interpreter(case, monkeypatch):
+    """_DELTA_IN_DQ_KERNEL off: delta from an XLA reduction, the dQ kernel reads it."""
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+
+    monkeypatch.setattr(pallas_gpu_attention, "_DELTA_IN_DQ_KERNEL", False)
+    T, S, kwargs = BACKWARD_ORDER_CASES[case]
+    _check("pallas_gpu", _qkv(1, T, S, 14, 7, 64, jnp.bfloat16, seed=T + 5 * S), kwargs)
+
+
 @pytest.mark.parametrize("ctas", [1, 3, 132])
 def test_pallas_gpu_persistent_balance(ctas):
     """The persistent forward's tile table: every tile exactly once, the first `ctas` tiles on

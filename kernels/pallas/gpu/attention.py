@@ -27,7 +27,8 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
     masked edge), so causal costs ~half of non-causal.
 
-Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and writes delta):
+Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except under a left
+window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
   * dQ kernel: one CTA = 128 query rows of one (b, n), consumers own 64 rows, the producer
     streams the tile's O rows, then K/V blocks of `_DQ_BLOCK_KV` keys:
         delta = rowsum(dO * O) - dlse;  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
@@ -120,6 +121,12 @@ _PERSISTENT_DQ_HEAD_DIMS = ()
 # an H200 (results/attention_H200_dq_block_kv.json), and 1.182 against 1.292 ms for a persistent dQ
 # kernel alone on an H100 (CUPTI), though ptxas spills in both.
 _DQ_BLOCK_KV = 128
+# delta = rowsum(dO * O) - dlse computed in the dQ kernel, except under a left window (else by an
+# XLA reduction before it). CUPTI fwd+bwd kernel ms on an H100, in the dQ kernel against XLA's
+# (results/attention_H100_delta_in_dq.json): causal B4 T4096 N32 H128 3.880 against 3.976,
+# non-causal 7.415 against 7.519, H64 2.380 against 2.389, but window 4096 at T16384 6.789
+# against 6.683 (its dQ kernel 2.265 against 2.040 ms; ptxas spills 324 against 308 bytes).
+_DELTA_IN_DQ_KERNEL = True
 # dK/dV step order. FA3's: q k^T and dO v^T issued together, then dv += p^T dO and dk += ds^T q
 # together (two waits per step). Otherwise: q k^T; dv's and dO v^T's wgmmas; dk's (three waits,
 # fewer live registers). Measured on an H100 (results/attention_H100_dkv_order.json, fwd+bwd):
@@ -925,15 +932,14 @@ def _dkv(q, k, v, do, lse2, delta, spec):
     )(q, k, v, do, lse2, delta, schedule.input())
 
 
-def _dq(q, k, v, do, out, lse2, dlse, spec):
-    """(dq [B, T, N, H], delta [B, N, T] f32): one CTA per 128 query rows of one (b, n), key blocks
-    of `_DQ_BLOCK_KV` streamed.
+def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
+    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_DQ_BLOCK_KV` streamed.
 
-    delta = rowsum(dO * O) - dlse is computed here, for the CTA's own rows before its loop, and
-    written out for the dK/dV kernel: a separate XLA reduction read dO and O once more (0.092 ms
-    on an H100 at causal B4 T4096 N32 H128). The producer streams the tile's O rows through the
-    first ring slot of the tile (no SMEM of its own: the kernel has none to spare), so each tile
-    makes steps + 1 ring uses."""
+    fused_delta: row_term is dlse, and delta = rowsum(dO * O) - dlse is computed here for the
+    CTA's own rows before its loop and returned too, (dq, delta [B, N, T] f32), for the dK/dV
+    kernel (the producer streams the tile's O rows through the tile's first ring slot: the
+    kernel has no SMEM to spare, so a tile makes steps + 1 ring uses). Otherwise row_term is
+    delta itself and `out` is not read (see `_DELTA_IN_DQ_KERNEL`)."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G, dt = N // K, q.dtype
@@ -944,11 +950,13 @@ def _dq(q, k, v, do, out, lse2, dlse, spec):
     band = _Band.forward(spec, T, S)
     interpret = interpret_enabled()
     tile = lambda t: _Tile.of(t, (N, T // _CTA, B), band, bkv, S, last_first=True)
-    steps_of = lambda t: tile(t).steps + 1
+    first = 1 if fused_delta else 0  # ring uses before the key blocks
+    steps_of = lambda t: tile(t).steps + first
     schedule = _Schedule.of(steps_of, N * (T // _CTA) * B, H in _PERSISTENT_DQ_HEAD_DIMS, interpret)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, dlse_ref, table_ref, dq_ref, delta_ref,
-               q_smem, do_smem, k_smem, v_smem, lse_smem, dlse_smem, delta_smem, stage, q_bar, loaded, free):
+    def kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, row_ref, table_ref, dq_ref, *rest):
+        delta_ref = rest[0] if fused_delta else None
+        q_smem, do_smem, k_smem, v_smem, lse_smem, row_smem, delta_smem, stage, q_bar, loaded, free = rest[-11:]
         wg = lax.axis_index("wg")
         ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
 
@@ -967,25 +975,26 @@ def _dq(q, k, v, do, out, lse2, dlse, spec):
                 row_stats = (tl.b, tl.n, pl.ds(rows, _ROWS))
                 plgpu.copy_gmem_to_smem(do_ref.at[gq], do_s, q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(lse_ref.at[row_stats], lse_smem.at[wg], q_bar.at[wg])
-                plgpu.copy_gmem_to_smem(dlse_ref.at[row_stats], dlse_smem.at[wg], q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(row_ref.at[row_stats], row_smem.at[wg], q_bar.at[wg])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dq and delta stores
                 plgpu.copy_gmem_to_smem(q_ref.at[gq], q_s, q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
                 lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-                # Ring use `base`: this tile's O rows, WG w's at rows [64 w, 64 w + 64) of the K slot.
-                o_slot = lax.rem(base, _i32(stages))
-                plgpu.barrier_wait(loaded.at[o_slot])
-                wgmma_rows = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(_F32)
-                o_s = k_smem.at[o_slot, pl.ds(pl.multiple_of(wg * _ROWS, _ROWS), _ROWS)]
-                dl = jnp.sum(wgmma_rows(do_s) * wgmma_rows(o_s), axis=1) - plgpu.load(
-                    dlse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-                ring.release(o_slot, base, total)
-                delta_smem.at[wg][...] = dl
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[row_stats])
+                dl = plgpu.load(row_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                if fused_delta:
+                    # Ring use `base`: this tile's O rows, WG w's at rows [64 w, 64 w + 64) of the K slot.
+                    o_slot = lax.rem(base, _i32(stages))
+                    plgpu.barrier_wait(loaded.at[o_slot])
+                    wgmma_rows = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(_F32)
+                    o_s = k_smem.at[o_slot, pl.ds(pl.multiple_of(wg * _ROWS, _ROWS), _ROWS)]
+                    dl = jnp.sum(wgmma_rows(do_s) * wgmma_rows(o_s), axis=1) - dl
+                    ring.release(o_slot, base, total)
+                    delta_smem.at[wg][...] = dl
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[row_stats])
 
                 def step(j, dq, masked):
-                    i = base + 1 + j - tl.lo
+                    i = base + first + j - tl.lo
                     slot = lax.rem(i, _i32(stages))
                     plgpu.barrier_wait(loaded.at[slot])
                     s, c = _scores(mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv)), spec)
@@ -1004,7 +1013,7 @@ def _dq(q, k, v, do, out, lse2, dlse, spec):
                 q_s[...] = (dq * spec.scale).astype(dt)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_s, dq_ref.at[gq])
-                return base + 1 + tl.steps
+                return base + first + tl.steps
 
             schedule.run(table_ref, one_tile)
             plgpu.wait_smem_to_gmem(0)
@@ -1016,22 +1025,24 @@ def _dq(q, k, v, do, out, lse2, dlse, spec):
             def one_tile(kk, t, base):
                 tl = tile(t)
                 kh = lax.div(tl.n, _i32(G))
-                slot = lax.rem(base, _i32(stages))
-                ring.acquire(slot, base)
-                for w in range(_WGS):  # two copies: the slot's "loaded" barrier counts two arrivals
-                    o_rows = (tl.b, pl.ds(tl.r0 + w * _ROWS, _ROWS), tl.n)
-                    plgpu.copy_gmem_to_smem(o_ref.at[o_rows], k_smem.at[slot, pl.ds(w * _ROWS, _ROWS)], loaded.at[slot])
+                if fused_delta:
+                    slot = lax.rem(base, _i32(stages))
+                    ring.acquire(slot, base)
+                    for w in range(_WGS):  # two copies: the slot's "loaded" barrier counts two arrivals
+                        o_rows = (tl.b, pl.ds(tl.r0 + w * _ROWS, _ROWS), tl.n)
+                        plgpu.copy_gmem_to_smem(o_ref.at[o_rows], k_smem.at[slot, pl.ds(w * _ROWS, _ROWS)],
+                                                loaded.at[slot])
 
                 def load(i, c):
-                    slot = lax.rem(base + 1 + i, _i32(stages))
-                    ring.acquire(slot, base + 1 + i)
+                    slot = lax.rem(base + first + i, _i32(stages))
+                    ring.acquire(slot, base + first + i)
                     keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], loaded.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], loaded.at[slot])
                     return c
 
                 lax.fori_loop(0, tl.steps, load, None)
-                return base + 1 + tl.steps
+                return base + first + tl.steps
 
             schedule.run(table_ref, one_tile)
 
@@ -1057,14 +1068,15 @@ def _dq(q, k, v, do, out, lse2, dlse, spec):
 
     return plgpu.kernel(
         attention_dq,
-        out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt), jax.ShapeDtypeStruct((B, N, T), _F32)),
+        out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt),) + (
+            (jax.ShapeDtypeStruct((B, N, T), _F32),) if fused_delta else ()),
         grid=(schedule.ctas,),
         grid_names=("cta",),
         num_threads=_WGS + 1,
         thread_name="wg",
         compiler_params=_params(),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, do, out, lse2, dlse, schedule.input())
+    )(q, k, v, do, out, lse2, row_term, schedule.input())
 
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
@@ -1083,7 +1095,12 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0.
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
     dout, out = dout.astype(q.dtype), out.astype(q.dtype)
-    dq, delta = _dq(q, k, v, dout, out, lse2, jnp.broadcast_to(dlse, lse.shape).astype(_F32), spec)
+    dlse = jnp.broadcast_to(dlse, lse.shape).astype(_F32)
+    if _DELTA_IN_DQ_KERNEL and spec.window_left is None:
+        dq, delta = _dq(q, k, v, dout, out, lse2, dlse, spec, fused_delta=True)
+    else:
+        delta = jnp.einsum("btnh,btnh->bnt", dout.astype(_F32), out.astype(_F32)) - dlse
+        (dq,) = _dq(q, k, v, dout, out, lse2, delta, spec, fused_delta=False)
     dk, dv = _dkv(q, k, v, dout, lse2, delta, spec)
     return dq, dk, dv, None
 
