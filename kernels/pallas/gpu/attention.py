@@ -338,34 +338,47 @@ def _balance(steps: np.ndarray, ctas: int) -> np.ndarray:
     return table
 
 
+_TILE_AXES = ("heads", "rows", "batch")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Schedule:
-    """Which tiles the CTA on grid axis "cta" runs: tile cta only (one CTA per tile), or
-    (persistent, ctas = #SMs) the tiles `_balance` gives it, read from a table input."""
+    """Which tiles a CTA runs. One CTA per tile: the grid is the tiles' (heads, row tiles, batch)
+    and a tile is its grid indices. Persistent (ctas = #SMs, grid axis "cta"): the tiles
+    `_balance` gives the CTA, by id (heads fastest), read from a table input."""
 
+    dims: tuple[int, int, int]
     ctas: int
     table: np.ndarray | None
 
     @classmethod
-    def of(cls, steps_of, tiles: int, persistent: bool, interpret: bool) -> "_Schedule":
+    def of(cls, steps_of, dims: tuple[int, int, int], persistent: bool, interpret: bool) -> "_Schedule":
         """steps_of(tile id) -> the tile's ring uses (traceable, evaluated here for every tile)."""
+        tiles = math.prod(dims)
         ctas = min(tiles, _INTERPRET_CTAS if interpret else _num_sms())
         if not persistent or ctas == tiles:
-            return cls(tiles, None)
+            return cls(dims, tiles, None)
         with jax.ensure_compile_time_eval():
             steps = np.asarray(jax.vmap(steps_of)(jnp.arange(tiles, dtype=jnp.int32)))
-        return cls(ctas, _balance(steps, ctas))
+        return cls(dims, ctas, _balance(steps, ctas))
+
+    @property
+    def grid(self) -> dict:
+        """plgpu.kernel's grid arguments."""
+        if self.table is None:
+            return dict(grid=self.dims, grid_names=_TILE_AXES)
+        return dict(grid=(self.ctas,), grid_names=("cta",))
 
     def input(self) -> jax.Array:
         """The table, an extra kernel input (a placeholder when there is none)."""
         return jnp.asarray(np.zeros((1, 1), np.int32) if self.table is None else self.table)
 
     def run(self, table_ref, body):
-        """body(kk, tile id, base) -> base + the ring uses of that tile, over this CTA's tiles
+        """body(kk, tile, base) -> base + the ring uses of that tile, over this CTA's tiles
         (base: the ring uses of its earlier tiles, so ring slots and barrier phases carry on)."""
-        cta = lax.axis_index("cta")
         if self.table is None:
-            return body(_i32(0), cta, _i32(0))
+            return body(_i32(0), self.tile(table_ref, 0), _i32(0))
+        cta = lax.axis_index("cta")
         return lax.fori_loop(0, table_ref[cta, 0], lambda kk, base: body(kk, table_ref[cta, kk + 1], base), _i32(0))
 
     def total(self, table_ref, steps_of):
@@ -376,8 +389,11 @@ class _Schedule:
         return kk + 1 < (1 if self.table is None else table_ref[lax.axis_index("cta"), 0])
 
     def tile(self, table_ref, kk):
-        cta = lax.axis_index("cta")
-        return cta if self.table is None else table_ref[cta, kk + 1]
+        """The kk-th tile of this CTA: its grid indices (one CTA per tile, so the kernel divides
+        no tile id) or its id."""
+        if self.table is None:
+            return tuple(lax.axis_index(name) for name in _TILE_AXES)
+        return table_ref[lax.axis_index("cta"), kk + 1]
 
 
 # ----------------------------------------------------------------------------- wgmma helper
@@ -536,11 +552,11 @@ class _Tile:
 
     @classmethod
     def of(cls, t, dims: tuple[int, int, int], band: _Band, blk: int, length: int, last_first: bool) -> "_Tile":
-        """Tile id t over dims = (heads, row tiles, batch), heads fastest. Under causal masking the
-        longest tiles come first, so the tail of a schedule is made of short ones (measured on the
-        forward: shortest first is 1.6x slower): the last query tiles (`last_first`), the first
-        key tiles otherwise."""
-        n, i, b = _unravel(t, dims)
+        """Tile t, an id over dims = (heads, row tiles, batch) with heads fastest, or those three
+        indices. Under causal masking the longest tiles come first, so the tail of a schedule is
+        made of short ones (measured on the forward: shortest first is 1.6x slower): the last
+        query tiles (`last_first`), the first key tiles otherwise."""
+        n, i, b = t if isinstance(t, tuple) else _unravel(t, dims)
         r0 = ((dims[1] - 1 - i) if last_first else i) * _CTA
         return cls(b, n, r0, *band.blocks(r0, _CTA, blk, length))
 
@@ -575,7 +591,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             tl = dataclasses.replace(tl, lo=lo, hi=jnp.maximum(tl.hi, lo + 1))
         return tl
 
-    schedule = _Schedule.of(lambda t: tile(t).steps, N * q_tiles * B, H in _PERSISTENT_HEAD_DIMS, interpret)
+    schedule = _Schedule.of(lambda t: tile(t).steps, (N, q_tiles, B), H in _PERSISTENT_HEAD_DIMS, interpret)
 
     def kernel(q_ref, k_ref, v_ref, table_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, lse_smem, stage,
                q_bar, k_bar, v_bar, k_free, v_free):
@@ -767,8 +783,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     out, lse = plgpu.kernel(
         attention_fwd,
         out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt), jax.ShapeDtypeStruct((B, N, T), _F32)),
-        grid=(schedule.ctas,),
-        grid_names=("cta",),
+        **schedule.grid,
         num_threads=_WGS + 1,
         thread_name="wg",
         compiler_params=_params(),
@@ -808,7 +823,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
     steps_of = lambda t: G * tile(t).steps  # ring uses: every query head of the group
     # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS).
     persistent = H in _PERSISTENT_DKV_HEAD_DIMS and spec.window_left is None
-    schedule = _Schedule.of(steps_of, K * (S // _CTA) * B, persistent, interpret)
+    schedule = _Schedule.of(steps_of, (K, S // _CTA, B), persistent, interpret)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, dk_ref, dv_ref,
                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free):
@@ -923,8 +938,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
     return plgpu.kernel(
         attention_dkv,
         out_type=(kv_type, kv_type),
-        grid=(schedule.ctas,),
-        grid_names=("cta",),
+        **schedule.grid,
         num_threads=_WGS + 1,
         thread_name="wg",
         compiler_params=_params(),
@@ -952,7 +966,7 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
     tile = lambda t: _Tile.of(t, (N, T // _CTA, B), band, bkv, S, last_first=True)
     first = 1 if fused_delta else 0  # ring uses before the key blocks
     steps_of = lambda t: tile(t).steps + first
-    schedule = _Schedule.of(steps_of, N * (T // _CTA) * B, H in _PERSISTENT_DQ_HEAD_DIMS, interpret)
+    schedule = _Schedule.of(steps_of, (N, T // _CTA, B), H in _PERSISTENT_DQ_HEAD_DIMS, interpret)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, row_ref, table_ref, dq_ref, *rest):
         delta_ref = rest[0] if fused_delta else None
@@ -1070,8 +1084,7 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
         attention_dq,
         out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt),) + (
             (jax.ShapeDtypeStruct((B, N, T), _F32),) if fused_delta else ()),
-        grid=(schedule.ctas,),
-        grid_names=("cta",),
+        **schedule.grid,
         num_threads=_WGS + 1,
         thread_name="wg",
         compiler_params=_params(),
