@@ -51,8 +51,8 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     """Calls that try pallas_gpu before cuDNN, for the forward and the backward: causal attention
     without a window at head_dim 64. Its fwd+bwd measured (causal B4 T4096 N32, against cuDNN's):
     1.09x in tools/bench.py's alternating rounds on an H100 (2.459 against 2.689 ms,
-    results/attention_H100_2026-11-25_persistent_bwd.json) and 1.05x on an H200 (2.501 against
-    2.638, results/attention_H200_2026-11-25_final.json); CUPTI kernels 2.408 against 2.467 ms
+    results/attention_H100_2026-11-25_persistent_bwd.json) and 1.06x on an H200 (2.502 against
+    2.648, results/attention_H200_2026-11-25_final.json); CUPTI kernels 2.408 against 2.467 ms
     (H100, results/attention_H100_persistent_backward.json); inside a program of 4 layers 1.01x
     (H100) and 0.99x (H200, results/attention_in_program_fwd_bwd.json): at least even, and its
     backward is deterministic. At head_dim 128 cuDNN stays first: pallas_gpu's kernels take longer
