@@ -81,8 +81,7 @@ def main() -> None:
     if args.out != "-":
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, shape=args.shape, causal=True, mode=args.mode,
-                           layers=args.layers,
-                           calls=args.calls, reps=args.reps, results=results), f, indent=1)
+                           layers=args.layers, calls=args.calls, reps=args.reps, results=results), f, indent=1)
 
 
 if __name__ == "__main__":

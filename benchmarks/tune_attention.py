@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from bench import interleaved  # noqa: E402
+from bench import alternating, interleaved  # noqa: E402
 
 from forgeax import ops  # noqa: E402
 
@@ -129,8 +129,8 @@ def main() -> None:
     kernels = _kernel_times(candidates, (q, k, v, do), args.kernel_times) if args.kernel_times else {}
     if args.out != "-":
         with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, backend=args.backend, shape=args.shape, causal=causal, window=window,
-                           results=results, fwd_bwd_kernel_ms=kernels), f, indent=1)
+            json.dump(dict(device=jax.devices()[0].device_kind, backend=args.backend, shape=args.shape, causal=causal,
+                           window=window, results=results, fwd_bwd_kernel_ms=kernels), f, indent=1)
 
 
 def _kernel_times(candidates, args, iterations: int) -> dict[str, dict[str, float]]:
@@ -139,10 +139,8 @@ def _kernel_times(candidates, args, iterations: int) -> dict[str, dict[str, floa
     from attention_kernel_times import kernel_times  # lazily: it imports this module
 
     per_round = {name: [] for name in candidates}
-    names = list(candidates)
-    for r in range(3):
-        for name in names if r != 1 else names[::-1]:
-            per_round[name].append(kernel_times(candidates[name][1], args, iterations))
+    for name in alternating(list(candidates), 3):
+        per_round[name].append(kernel_times(candidates[name][1], args, iterations))
     out = {}
     for name, rounds in per_round.items():
         out[name] = {kernel: statistics.median(r[kernel] for r in rounds) for kernel in rounds[0]}

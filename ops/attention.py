@@ -47,6 +47,7 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
         return ("pallas_gpu",)
     return ()
 
+
 def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     """Calls that try pallas_gpu before cuDNN, for the forward and the backward: causal attention
     without a window at head_dim 64. Its fwd+bwd measured (causal B4 T4096 N32, against cuDNN's):

@@ -369,7 +369,8 @@ class Op:
         if backend is None and self.inference_order is not None:
             prefer = tuple(self.inference_order(current_platform(), args, kwargs))
         if prefer:  # else the forward-only choice is the one above
-            inference_name, inference_impl, inference_skipped = self.select(None, args, kwargs, prefer=prefer)
+            # The training preference stays next in line, should no inference one run the call.
+            inference_name, inference_impl, inference_skipped = self.select(None, args, kwargs, prefer=prefer + first)
             if inference_name != name:
                 gradient_name, training = name, impl
                 name, impl, skipped = inference_name, inference_impl, inference_skipped

@@ -123,10 +123,10 @@ def test_head_dim_128_multi_block(backend, case, deterministic):
     _check(backend, args, dict(kwargs, deterministic=deterministic))
 
 
-# pallas_gpu's persistent kernels (forward and backward, on at head_dim 64 and 128, see
-# _PERSISTENT_*HEAD_DIMS): more tiles than the GPU has SMs, so CTAs
-# run several tiles each from the balanced table (the interpreter runs them with 2 CTAs on small
-# shapes; test_head_dim_128_multi_block covers 128). The check covers dq, dk and dv.
+# pallas_gpu's persistent kernels (the forward and, without a left window, dK/dV; on at head_dim
+# 64 and 128, see _PERSISTENT_HEAD_DIMS and _PERSISTENT_DKV_HEAD_DIMS): more tiles than the GPU
+# has SMs, so CTAs run several tiles each from the balanced table (the interpreter runs them with
+# 2 CTAs on small shapes; test_head_dim_128_multi_block covers 128). The check covers dq, dk, dv.
 PERSISTENT_CASES = {
     "causal": (2048, 2048, dict(causal=True)),
     "full_T<S": (1024, 2048, dict()),
@@ -172,8 +172,8 @@ def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, grid, monke
 
 # pallas_gpu's dK/dV kernel has two step orders (FA3's at head_dim 64, the other at 128, see
 # _DKV_FA3_ORDER_HEAD_DIMS), and both backward kernels a persistent and a per-tile grid
-# (_PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS); the interpreter runs each at head_dim 64, with GQA (dK/dV summed
-# over the group), a window and a soft cap.
+# (_PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS, forced here); the interpreter runs each at
+# head_dim 64, with GQA (dK/dV summed over the group), a window and a soft cap.
 BACKWARD_ORDER_CASES = {
     "causal_gqa": (256, 256, dict(causal=True)),
     "window_soft_cap_T<S": (128, 384, dict(causal=True, window=(100, 0), logit_soft_cap=5.0)),
@@ -211,7 +211,7 @@ def test_pallas_gpu_backward_with_xla_delta_in_interpreter(case, monkeypatch):
 
 @pytest.mark.parametrize("ctas", [1, 3, 132])
 def test_pallas_gpu_persistent_balance(ctas):
-    """The persistent forward's tile table: every tile exactly once, the first `ctas` tiles on
+    """The persistent kernels' tile table: every tile exactly once, the first `ctas` tiles on
     distinct CTAs, each CTA's tiles in tile order, and (greedy list scheduling) no CTA more than
     one tile's cost above the lightest."""
     from forgeax.kernels.pallas.gpu.attention import _balance

@@ -188,7 +188,8 @@ def test_inference_order_runs_one_backend_and_differentiates_another(monkeypatch
 
 def test_training_order_puts_backends_before_the_priority_per_call(monkeypatch):
     """An op's training_order picks, per call, backends to try before its priority, for the call
-    and its gradient alike; an explicit backend ignores it."""
+    and its gradient alike (also when the op's inference preference cannot run the call); an
+    explicit backend ignores it."""
     everywhere = {"cpu", "gpu", "tpu"}
     exact = lambda x, p: x ** p  # noqa: E731
     op = interface.Op(
@@ -200,6 +201,7 @@ def test_training_order_puts_backends_before_the_priority_per_call(monkeypatch):
         },
         priority={"gpu": ("usual", "better_here")},
         training_order=lambda platform, args, kwargs: ("better_here",) if kwargs["power"] == 2 else (),
+        inference_order=lambda platform, args, kwargs: ("not_registered",),
     )
     monkeypatch.setattr(interface, "current_platform", lambda: "gpu")
     x, ids = jnp.array([1.0, 2.0, 3.0]), jnp.arange(3)

@@ -23,7 +23,7 @@ import platform as host_platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +72,12 @@ def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float
     return rounds
 
 
+def alternating(names: Sequence[Hashable], rounds: int) -> Iterator[Hashable]:
+    """`names` in order on even rounds and reversed on odd ones, `rounds` times (see `interleaved`)."""
+    for r in range(rounds):
+        yield from (names if r % 2 == 0 else names[::-1])
+
+
 def interleaved(candidates: dict[Hashable, tuple[Callable, tuple]], *, calls: int, rounds: int,
                 warmup: int) -> dict[Hashable, list[float]]:
     """Per-call seconds of each candidate `fn(*args)` over `rounds` rounds; a round times every
@@ -81,11 +87,9 @@ def interleaved(candidates: dict[Hashable, tuple[Callable, tuple]], *, calls: in
     runs in the state the other left: in one program, cuDNN's forward measured 1.084-1.097 ms right
     after pallas_gpu's and 1.042-1.050 otherwise (H200, benchmarks/results/attention_in_program.json)."""
     times = {name: [] for name in candidates}
-    names = list(candidates)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            fn, args = candidates[name]
-            times[name] += time_call(fn, args, calls=calls, reps=1, warmup=warmup)
+    for name in alternating(list(candidates), rounds):
+        fn, args = candidates[name]
+        times[name] += time_call(fn, args, calls=calls, reps=1, warmup=warmup)
     return times
 
 

@@ -1060,7 +1060,7 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
 
             schedule.run(table_ref, one_tile)
 
-    tr = _transforms(dt, 128 if H <= 128 else 64)
+    tr = _transforms(dt)
 
     def attention_dq(*refs):  # the kernel's name in profiles
         scratch = [
