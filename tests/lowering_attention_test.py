@@ -40,6 +40,7 @@ SHAPES = {
     "H64 full": (4, 4096, 4096, 32, 32, 64, {}),
     "H256 causal": (2, 4096, 4096, 16, 16, 256, dict(causal=True)),
     "window + soft cap": (1, 4096, 4096, 8, 8, 128, dict(causal=True, window=(1024, 0), logit_soft_cap=50.0)),
+    "packed segments": (2, 4096, 4096, 16, 16, 128, dict(causal=True, segments=True)),
 }
 
 
@@ -54,20 +55,24 @@ def _lower(backend, shape, backward):
     )
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+    segments = (jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, S), jnp.int32))
+    if not options.get("segments"):
+        segments = (None, None)
     impl = interface.OPS["attention"].implementation(backend)
     assert not isinstance(impl, str), impl
-    reason = impl.supports(q, k, k, None, None, None, None, None, spec=spec)
+    reason = impl.supports(q, k, k, None, None, *segments, None, spec=spec)
     if reason is not None:
         pytest.skip(f"{backend} refuses {shape}: {reason}")
 
-    def forward(q, k, v):
-        return impl.fn(q, k, v, None, None, None, None, None, spec=spec)[0]
+    def forward(q, k, v, *segment_ids):
+        return impl.fn(q, k, v, None, None, *(segment_ids or (None, None)), None, spec=spec)[0]
 
-    def training(q, k, v):
-        out, pull = jax.vjp(forward, q, k, v)
+    def training(q, k, v, *segment_ids):
+        out, pull = jax.vjp(lambda q, k, v: forward(q, k, v, *segment_ids), q, k, v)
         return pull(out)
 
-    return conformance.lowered_text(training if backward else forward, q, k, k, platform=platform)
+    args = (q, k, k) + (segments if segments[0] is not None else ())
+    return conformance.lowered_text(training if backward else forward, *args, platform=platform)
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])

@@ -191,6 +191,10 @@ def _attention_spec() -> Spec:
               options=(("causal", True), ("window", (4096, 0)))),
         Shape("soft cap 50 causal B4 T4096 N32", (4, 4096, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("logit_soft_cap", 50.0))),
+        # 8 documents of 2048 tokens packed into one row (segment_ids); the anchors run the same
+        # documents unpacked, as a batch of 8: the cost packing should come close to.
+        Shape("packed 8x2048 causal B1 T16384 N32", (1, 16384, 32, 32, 128), "bfloat16",
+              options=(("causal", True), ("documents", 2048))),
         Shape("small causal f32", (1, 256, 4, 2, 64), "float32", small=True, options=(("causal", True),)),
     )
 
@@ -211,7 +215,16 @@ def _attention_spec() -> Spec:
         return jax.jit(fwd_bwd)
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
-        return training_step(functools.partial(ops.attention, backend=backend, **options), mode)
+        options = dict(options)
+        doc = options.pop("documents", None)
+        if doc is None:
+            return training_step(functools.partial(ops.attention, backend=backend, **options), mode)
+
+        def packed(q, k, v):
+            ids = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) // doc, q.shape[:2])
+            return ops.attention(q, k, v, segment_ids=(ids, ids), backend=backend, **options)
+
+        return training_step(packed, mode)
 
     def jax_nn(implementation: str) -> Callable[[str, dict[str, Any]], Callable[..., Any]]:
         def anchor(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
@@ -222,6 +235,10 @@ def _attention_spec() -> Spec:
                 jax.nn.dot_product_attention, is_causal=bool(options.get("causal")), implementation=implementation,
                 local_window_size=None if window is None else tuple(window),
             )
+            doc = options.get("documents")
+            if doc is not None:  # the packed documents as a batch: [B, T] -> [B * T / doc, doc]
+                unpack = lambda x: x.reshape(-1, doc, *x.shape[2:])
+                return training_step(lambda q, k, v: fn(unpack(q), unpack(k), unpack(v)).reshape(q.shape), mode)
             return training_step(fn, mode)
 
         return anchor
@@ -230,7 +247,10 @@ def _attention_spec() -> Spec:
         B, T, N, K, H = shape.dims
         options = dict(shape.options)
         itemsize = jnp.dtype(shape.dtype).itemsize
-        if options.get("window"):
+        if options.get("documents"):  # causal inside each document
+            doc = options["documents"]
+            pairs = T // doc * doc * (doc + 1) / 2
+        elif options.get("window"):
             pairs = sum(min(t + 1, options["window"][0] + 1) for t in range(T))
         elif options.get("causal"):
             pairs = T * (T + 1) / 2

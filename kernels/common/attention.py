@@ -123,6 +123,36 @@ def allowed_positions(spec: AttentionSpec, t: Array, s: Array, T: int, S: int) -
     return ok
 
 
+def segment_ranges(row_ids: Array, col_ids: Array, block: int) -> Array:
+    """Per block of `block` consecutive rows, the columns [lo, hi) its segment ids may reach.
+
+    row_ids [B, R], col_ids [B, C] (int32) -> [B, cdiv(R, block), 3] int32 (lo, hi, uniform): lo
+    is the first and hi - 1 the last column whose id lies in [min, max] of the block's row ids.
+    That covers every column any row of the block shares a segment with, so a kernel may skip
+    the column blocks outside it. When the column ids are sorted (packed sequences), every column
+    in [lo, hi) has an id in that span, so a block-diagonal layout visits only the blocks near
+    its diagonal; unsorted ids give a correct but looser range. No such column: lo = C, hi = 0.
+    uniform = 1 iff the block's rows share one id and the columns of that id are exactly
+    [lo, hi): column blocks inside [lo, hi) then need no segment mask.
+    Costs one pass over B x cdiv(R, block) x C comparisons (fused into reductions).
+    """
+    B, R = row_ids.shape
+    C = col_ids.shape[1]
+    nb = -(-R // block)
+    info = jnp.iinfo(jnp.int32)
+    padded = lambda fill: jnp.pad(row_ids.astype(jnp.int32), ((0, 0), (0, nb * block - R)), constant_values=fill)
+    lo_id = padded(info.max).reshape(B, nb, block).min(axis=-1)
+    hi_id = padded(info.min).reshape(B, nb, block).max(axis=-1)
+    cols = col_ids.astype(jnp.int32)[:, None, :]
+    reach = (cols >= lo_id[..., None]) & (cols <= hi_id[..., None])  # [B, nb, C]
+    col = jnp.arange(C, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(reach, col, C), axis=-1)
+    hi = jnp.max(jnp.where(reach, col + 1, 0), axis=-1)
+    same = jnp.sum((cols == lo_id[..., None]).astype(jnp.int32), axis=-1)
+    uniform = (lo_id == hi_id) & (same == hi - lo)
+    return jnp.stack([lo, hi, uniform.astype(jnp.int32)], axis=-1).astype(jnp.int32)
+
+
 def _fmix(x: Array) -> Array:
     x = x ^ (x >> 16)
     x = x * jnp.uint32(FMIX_1)

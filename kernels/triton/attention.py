@@ -16,8 +16,12 @@ Dropout multiplies p by the keep mask in the `acc` update only (l, hence lse, is
 Block sparsity: `_key_blocks` turns the causal/window rule into [lo, hi) key bounds for a query
 block (blocks outside are never read) and an inner [full_lo, full_hi) of blocks every row may
 see entirely, which skip the position/tail masking (`MASKED=False`). `_query_blocks` gives the
-query bounds from a key block's side (the dK/dV loop masks every tile: see there why). Segment
-ids, the mask and the bias are data, applied on every tile.
+query bounds from a key block's side (the dK/dV loop masks every tile: see there why). With
+segment ids the bounds are narrowed further to the keys (queries) a block's ids may reach, from
+`segment_ranges` (computed by XLA, one [B, blocks, 3] table per block size), so packed
+sequences skip the blocks between documents; the unmasked blocks are then only those inside
+one segment that every row of the query block shares, and the other tiles compare segment
+ids. The mask and the bias are data, applied on every tile.
 
 Backward: `_delta_kernel` computes D = rowsum(dout * out) - dlse, then ONE `_bwd_kernel` launch
 with grid (cdiv(S, BN1) + cdiv(T, BM2), B*N): the first programs of each (b, n) row do dK/dV for
@@ -46,7 +50,7 @@ import triton.language as tl
 
 from forgeax.kernels.common.attention import (
     FMIX_1, FMIX_2, GOLDEN_BN, GOLDEN_S, GOLDEN_T, AttentionKernels, AttentionSpec,
-    differentiable_attention, reduce_bias_grad,
+    differentiable_attention, reduce_bias_grad, segment_ranges,
 )
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
@@ -109,8 +113,8 @@ def _logits2(qk, t, s, b, n, BIAS, MASK, QSEG, KVSEG, T: tl.constexpr, S: tl.con
     """(z in log2 units, -inf where not allowed; tanh of the soft cap or 0) for a tile of q.k.
 
     t and s are the tile's query and key indices, broadcastable to qk's shape (either
-    orientation). MASKED: apply the position rule and the key tail (else the caller knows the
-    whole tile is inside both).
+    orientation). MASKED: apply the position rule, the key tail and the segment ids (else the
+    caller knows the whole tile is inside all three).
     """
     th = 0.0
     if CAP > 0:
@@ -129,7 +133,7 @@ def _logits2(qk, t, s, b, n, BIAS, MASK, QSEG, KVSEG, T: tl.constexpr, S: tl.con
         if LEFT >= 0:
             ok = ok & (s >= t + (S - T - LEFT))
         z = tl.where(ok, z, float("-inf"))
-    if HAS_SEG:
+    if HAS_SEG and MASKED:  # unmasked tiles lie inside one shared segment (`_within_segments`)
         qs = tl.load(QSEG + b * T + t, mask=t < T, other=0)
         ks = tl.load(KVSEG + b * S + s, mask=s < S, other=0)
         z = tl.where(qs == ks, z, float("-inf"))
@@ -184,6 +188,25 @@ def _query_blocks(n0, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, S: tl
     return lo, hi
 
 
+@triton.jit
+def _within_segments(lo, a, c, hi, RANGE, BN: tl.constexpr):
+    """Narrows block bounds (lo, a, c, hi) of `_key_blocks` to the columns [RANGE[0], RANGE[1])
+    the block's segment ids may reach (`segment_ranges`). The unmasked blocks [a, c) keep only
+    those inside one segment shared by every row (RANGE[2] = uniform), none otherwise: the
+    segment mask is applied with the position mask (`_logits2`, MASKED). lo and the loop starts
+    stay multiples of BN; an empty reach (RANGE[1] <= RANGE[0]) leaves no block."""
+    seg_lo = tl.load(RANGE)
+    seg_hi = tl.load(RANGE + 1)
+    uniform = tl.load(RANGE + 2) != 0
+    lo = tl.maximum(lo, seg_lo // BN * BN)
+    hi = tl.minimum(hi, seg_hi)
+    a = tl.where(uniform, tl.maximum(a, (seg_lo + BN - 1) // BN * BN), hi)
+    c = tl.where(uniform, tl.minimum(c, seg_hi // BN * BN), hi)
+    a = _clamp(a, lo, hi)
+    c = _clamp(c, a, hi)
+    return lo, a, c, hi
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -216,7 +239,7 @@ def _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, O, LSE,
+def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, O, LSE,
                 T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
                 HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
                 CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -242,6 +265,8 @@ def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, O, LSE,
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     lo, a, c, hi = _key_blocks(m0, BM, BN, T, S, LEFT, RIGHT)
+    if HAS_SEG:
+        lo, a, c, hi = _within_segments(lo, a, c, hi, QRANGE + (b * tl.cdiv(T, BM) + m0 // BM) * 3, BN)
     for start in range(lo, a, BN):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
                                   KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
@@ -357,7 +382,7 @@ def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIA
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, DO, LSE, DELTA, DQ, DK, DV, DZ,
+def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DQ, DK, DV, DZ,
                 T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
                 HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
                 CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -388,6 +413,9 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, DO, LSE, DELTA, DQ, DK, 
             # One loop, every tile position-masked: with separate masked/unmasked loops over the
             # same dk/dv accumulators ptxas serialises the wgmmas (C7515, seen at H=64 and 128).
             lo, hi = _query_blocks(pid * BN1, BM1, BN1, T, S, LEFT, RIGHT)
+            if HAS_SEG:  # the queries this key block's segment ids may reach (`segment_ranges`)
+                lo = tl.maximum(lo, tl.load(KRANGE + (b * NKB + pid) * 3) // BM1 * BM1)
+                hi = tl.minimum(hi, tl.load(KRANGE + (b * NKB + pid) * 3 + 1))
             for g in range(G):
                 n = n0 + g
                 h_bn = 0
@@ -414,6 +442,8 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, DO, LSE, DELTA, DQ, DK, 
             h_bn = _head_hash(SEED, b, n, N)
         dq = tl.zeros([BM2, HP], dtype=tl.float32)
         lo, a, c, hi = _key_blocks(m0, BM2, BN2, T, S, LEFT, RIGHT)
+        if HAS_SEG:
+            lo, a, c, hi = _within_segments(lo, a, c, hi, QRANGE + (b * tl.cdiv(T, BM2) + m0 // BM2) * 3, BN2)
         for start in range(lo, a, BN2):
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
@@ -511,15 +541,24 @@ def _statics(q, k, v, bias, mask, qseg, spec: AttentionSpec) -> dict:
     )
 
 
-def _optional_inputs(bias, mask, qseg, kvseg, seed):
-    """Absent inputs become 1-element dummies (the kernels never read them: constexpr flags)."""
+def _optional_inputs(bias, mask, qseg, kvseg, seed, *, query_block: int, key_block: int | None = None):
+    """Absent inputs become 1-element dummies (the kernels never read them: constexpr flags).
+    With segments, also the key range of each block of `query_block` queries and (backward) the
+    query range of each block of `key_block` keys that the block-sparse loops stay inside."""
     dummy = lambda dt: jnp.zeros((1,), dt)
+    ranges = [dummy(jnp.int32)] * (1 if key_block is None else 2)
+    if qseg is not None:
+        qseg, kvseg = qseg.astype(jnp.int32), kvseg.astype(jnp.int32)
+        ranges[0] = segment_ranges(qseg, kvseg, query_block)
+        if key_block is not None:
+            ranges[1] = segment_ranges(kvseg, qseg, key_block)
     return (
         dummy(jnp.float32) if bias is None else bias,
         dummy(jnp.int8) if mask is None else mask.astype(jnp.int8),  # a bool pointer is not portable
-        dummy(jnp.int32) if qseg is None else qseg.astype(jnp.int32),
-        dummy(jnp.int32) if kvseg is None else kvseg.astype(jnp.int32),
+        dummy(jnp.int32) if qseg is None else qseg,
+        dummy(jnp.int32) if kvseg is None else kvseg,
         dummy(jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32).reshape(1),
+        *ranges,
     )
 
 
@@ -529,7 +568,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     cfg = config_for(q.shape[3], HV, q.dtype)
     statics = _statics(q, k, v, bias, mask, q_segment_ids, spec)
     out, lse = triton_call(
-        q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed),
+        q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, query_block=cfg.block_m),
         kernel=_fwd_kernel,
         out_shape=(jax.ShapeDtypeStruct((B, T, N, HV), q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32)),
         grid=(triton.cdiv(T, cfg.block_m), B * N),
@@ -553,7 +592,8 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
     )
     dz_shape = (B, N, T, S) if bias is not None else (1,)
     dq, dk, dv, dz = triton_call(
-        q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed),
+        q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
+                                   query_block=cfg.block_m2, key_block=cfg.block_n1),
         dout.astype(q.dtype), lse, delta,
         kernel=_bwd_kernel,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
