@@ -41,6 +41,8 @@ SHAPES = {
     "H256 causal": (2, 4096, 4096, 16, 16, 256, dict(causal=True)),
     "window + soft cap": (1, 4096, 4096, 8, 8, 128, dict(causal=True, window=(1024, 0), logit_soft_cap=50.0)),
     "packed segments": (2, 4096, 4096, 16, 16, 128, dict(causal=True, segments=True)),
+    "packed segments H64 GQA": (2, 4096, 4096, 16, 4, 64, dict(segments=True)),
+    "packed segments H256": (1, 4096, 4096, 8, 8, 256, dict(causal=True, segments=True)),
 }
 
 

@@ -66,7 +66,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
+from forgeax.kernels.common.attention import (
+    AttentionKernels, AttentionSpec, differentiable_attention, segment_ranges,
+)
 from forgeax.kernels.xla.attention import chunked_backward
 from forgeax.kernels.pallas.gpu import gpu_refusal
 from forgeax.ops.interface import Implementation, interpret_enabled
@@ -170,6 +172,39 @@ def _named_barrier(op: str, barrier_id, threads: int):
         mgpu.utils.inline_ptx(f"bar.{op} $0, {threads};", bid.registers[()], has_side_effects=True, convergent=True)
 
     emit(_i32(barrier_id))
+
+
+def _within_reach(lo, full_lo, full_hi, hi, col_lo, col_hi, uniform, blk: int):
+    """Narrows a tile's column blocks (lo, full_lo, full_hi, hi) to the columns [col_lo, col_hi)
+    its segment ids may reach (`segment_ranges`). The unmasked blocks keep only those inside one
+    segment every row shares (uniform), none otherwise: the masked steps compare segment ids."""
+    div = lambda x: lax.div(x, _i32(blk))
+    lo = jnp.maximum(lo, div(col_lo))
+    hi = jnp.maximum(jnp.minimum(hi, div(col_hi + blk - 1)), lo)
+    full_lo = jnp.where(uniform != 0, jnp.maximum(full_lo, div(col_lo + blk - 1)), hi)
+    full_hi = jnp.where(uniform != 0, jnp.minimum(full_hi, div(col_hi)), hi)
+    full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
+    full_hi = jnp.minimum(jnp.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+def _segment_inputs(row_ids, col_ids) -> tuple:
+    """A kernel's segment inputs: row ids [B, R], column ids [B, C] (int32) and the reach of each
+    128-row tile (`segment_ranges`); 1-element placeholders without segment ids."""
+    if row_ids is None:
+        return jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1, 3), jnp.int32)
+    row_ids, col_ids = row_ids.astype(jnp.int32), col_ids.astype(jnp.int32)
+    return row_ids, col_ids, segment_ranges(row_ids, col_ids, _CTA)
+
+
+def _allowed(band: _Band, x0, y0, shape, row_ids=None, col_ids=None):
+    """Position rule AND same segment over a (rows, cols) WGMMA tile at (x0, y0), or None if
+    neither applies; row_ids / col_ids: the tile's segment ids in WGMMA row / column layout."""
+    ok = band.mask(x0, y0, shape)
+    if row_ids is None:
+        return ok
+    same = _bcast(row_ids, shape, 0) == _bcast(col_ids, shape, 1)
+    return same if ok is None else ok & same
 
 
 class _SlotFree:
@@ -287,9 +322,9 @@ class _Band:
         return ok
 
 
-def _three_loops(lo, full_lo, full_hi, hi, step, carry, band: _Band):
+def _three_loops(lo, full_lo, full_hi, hi, step, carry, band: _Band, segmented: bool = False):
     """step(j, carry, masked) over [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
-    if band.a is None and band.b is None:  # no position mask: every block is full
+    if band.a is None and band.b is None and not segmented:  # no mask at all: every block is full
         return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
@@ -551,14 +586,20 @@ class _Tile:
     hi: jax.Array
 
     @classmethod
-    def of(cls, t, dims: tuple[int, int, int], band: _Band, blk: int, length: int, last_first: bool) -> "_Tile":
+    def of(cls, t, dims: tuple[int, int, int], band: _Band, blk: int, length: int, last_first: bool,
+           reach=None) -> "_Tile":
         """Tile t, an id over dims = (heads, row tiles, batch) with heads fastest, or those three
         indices. Under causal masking the longest tiles come first, so the tail of a schedule is
         made of short ones (measured on the forward: shortest first is 1.6x slower): the last
-        query tiles (`last_first`), the first key tiles otherwise."""
+        query tiles (`last_first`), the first key tiles otherwise. reach: with segment ids, the
+        [B, row tiles, 3] ref of `segment_ranges` that narrows the blocks (`_within_reach`)."""
         n, i, b = t if isinstance(t, tuple) else _unravel(t, dims)
-        r0 = ((dims[1] - 1 - i) if last_first else i) * _CTA
-        return cls(b, n, r0, *band.blocks(r0, _CTA, blk, length))
+        row_tile = (dims[1] - 1 - i) if last_first else i
+        r0 = row_tile * _CTA
+        blocks = band.blocks(r0, _CTA, blk, length)
+        if reach is not None:
+            blocks = _within_reach(*blocks, *(reach[b, row_tile, f] for f in range(3)), blk)
+        return cls(b, n, r0, *blocks)
 
     @property
     def steps(self):
@@ -566,13 +607,14 @@ class _Tile:
 
 
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
-    del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed  # refused by _supports
+    del bias, mask, dropout_seed  # refused by _supports
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G, dt = N // K, q.dtype
     bkv = 128 if H <= 128 else 64
     item = jnp.dtype(dt).itemsize
-    per_stage, q_bytes = 2 * bkv * H * item, _CTA * H * item
+    segmented = q_segment_ids is not None
+    per_stage, q_bytes = 2 * bkv * H * item + (4 * bkv if segmented else 0), _CTA * H * item
     # A separate output buffer lets a consumer load its next Q tile before its last P V; where
     # it would leave fewer than 2 ring stages (H = 256) the output goes out through Q's buffer.
     separate_out = _SMEM_BUDGET - 2 * q_bytes >= 2 * per_stage
@@ -582,8 +624,8 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     overlap = H in _OVERLAP_HEAD_DIMS
     q_tiles = T // _CTA
 
-    def tile(t) -> _Tile:
-        tl = _Tile.of(t, (N, q_tiles, B), band, bkv, S, last_first=True)
+    def tile_at(t, reach=None) -> _Tile:
+        tl = _Tile.of(t, (N, q_tiles, B), band, bkv, S, last_first=True, reach=reach)
         if overlap:
             # The overlapped schedule peels the first block: a tile whose rows see no key (causal
             # with T > S, windows) still visits one block, fully masked (zero output, lse -inf).
@@ -591,23 +633,32 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             tl = dataclasses.replace(tl, lo=lo, hi=jnp.maximum(tl.hi, lo + 1))
         return tl
 
-    schedule = _Schedule.of(lambda t: tile(t).steps, (N, q_tiles, B), H in _PERSISTENT_HEAD_DIMS, interpret)
+    # With segment ids a tile's blocks depend on the data, so the schedule cannot be balanced ahead.
+    persistent = H in _PERSISTENT_HEAD_DIMS and not segmented
+    schedule = _Schedule.of(lambda t: tile_at(t).steps, (N, q_tiles, B), persistent, interpret)
 
-    def kernel(q_ref, k_ref, v_ref, table_ref, out_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, lse_smem, stage,
+    def kernel(q_ref, k_ref, v_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref, out_ref, lse_ref,
+               q_smem, o_smem, k_smem, v_smem, lse_smem, stage, row_ids_smem, col_ids_smem,
                q_bar, k_bar, v_bar, k_free, v_free):
         wg = lax.axis_index("wg")
+        tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
+        # Segment ids of the key block in ring slot `slot` (WGMMA column layout), for masked steps:
+        # read before the slot is released.
+        col_ids_at = lambda slot, masked: (
+            plgpu.load(col_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)) if segmented and masked else None)
         # K/V ring uses are numbered across this CTA's tiles: key block j of a tile is use
         # g = base + j - lo (`_Schedule.run`).
         k_ring = _SlotFree(k_free, stages, _FIRST_NAMED_BARRIER, not interpret)
         v_ring = _SlotFree(v_free, stages, k_ring.next_id, not interpret)
         sched = _PingPong(wg, v_ring.next_id, not interpret)
 
-        def softmax(s, m, l, rows, j, masked):
+        def softmax(s, m, l, rows, j, masked, ids):
             """Online softmax of key block j: (p, m', l', alpha) with m' = max(m, rowmax s),
-            p = exp2(s - m'), alpha = exp2(m - m'), l' = l alpha + rowsum p (log2 domain)."""
+            p = exp2(s - m'), alpha = exp2(m - m'), l' = l alpha + rowsum p (log2 domain).
+            ids: (row, column) segment ids, or (None, None)."""
             s, c = _scores(s, spec)
             if masked:
-                s = jnp.where(band.mask(rows, j * bkv, s.shape), s, -jnp.inf)
+                s = jnp.where(_allowed(band, rows, j * bkv, s.shape, *ids), s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
             m_use = m_new
             if masked:  # a row may have seen no key yet: keep exp2 away from -inf - -inf
@@ -616,7 +667,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             p = _exp2(s, c, _bcast(m_use, s.shape, 0))
             return p, m_new, l * alpha + jnp.sum(p, axis=1), alpha
 
-        def sequential(tl, base, total, rows, q_s, mma, m, l, q_free):
+        def sequential(tl, base, total, rows, row_ids, q_s, mma, m, l, q_free):
             """Ping-pong per block: Q K_j^T, softmax, P_j V_j; a WG waits for its turn before P V."""
             pl.when(wg == 1)(sched.turn)  # WG 1 starts one turn behind
 
@@ -625,9 +676,10 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
                 g = base + j - tl.lo
                 slot = lax.rem(g, _i32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
+                col_ids = col_ids_at(slot, masked)
                 s = mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
                 k_ring.release(slot, g, total)
-                p, m, l_new, alpha = softmax(s, m, l, rows, j, masked)
+                p, m, l_new, alpha = softmax(s, m, l, rows, j, masked, (row_ids, col_ids))
                 acc = acc * _bcast(alpha, acc.shape, 0)
                 p16 = p.astype(dt)
                 if H <= 128:  # finish the softmax before handing over the tensor cores
@@ -642,34 +694,37 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
                 return acc, m, l
 
             carry = (_zeros((_ROWS, H)), m, l)
-            acc, m, l = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band)
+            acc, m, l = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
             pl.when(wg == 0)(sched.handover)  # WG 1's last turn
             q_free()
             return acc, m, l
 
-        def overlapped(tl, base, total, rows, q_s, mma, m, l, q_free):
+        def overlapped(tl, base, total, rows, row_ids, q_s, mma, m, l, q_free):
             """FA3's schedule: in its turn a WG issues Q K_j^T and P_{j-1} V_{j-1} together, hands
             the tensor cores over, runs block j's softmax while its P V is still in flight, then
             rescales. Interpret mode runs the same order synchronously."""
             pl.when(wg == 1)(sched.handover)  # WG 0 takes the first turn
             first_slot = lax.rem(base, _i32(stages))
             plgpu.barrier_wait(k_bar.at[first_slot])
+            first_masked = band.a is not None or band.b is not None or segmented
+            col_ids = col_ids_at(first_slot, first_masked)
             sched.turn()
             s = mma(q_s, k_smem.at[first_slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
             k_ring.release(first_slot, base, total)
-            p, m, l, _ = softmax(s, m, l, rows, tl.lo, band.a is not None or band.b is not None)
+            p, m, l, _ = softmax(s, m, l, rows, tl.lo, first_masked, (row_ids, col_ids))
 
             def step(j, carry, masked):
                 acc, m, l, p_prev = carry
                 g = base + j - tl.lo
                 slot, prev = lax.rem(g, _i32(stages)), lax.rem(g - 1, _i32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
+                col_ids = col_ids_at(slot, masked)
                 plgpu.barrier_wait(v_bar.at[prev])
                 sched.turn()
 
                 def between(s):  # runs while P_{j-1} V_{j-1} is in flight
                     k_ring.release(slot, g, total)
-                    p, m_new, l_new, alpha = softmax(s, m, l, rows, j, masked)
+                    p, m_new, l_new, alpha = softmax(s, m, l, rows, j, masked, (row_ids, col_ids))
                     return p.astype(dt), m_new, l_new, alpha
 
                 acc, (p16, m, l, alpha) = mma.overlapped(
@@ -681,7 +736,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             first = tl.lo + 1  # block lo was the prologue
             mid_lo = jnp.maximum(tl.full_lo, first)
             acc, m, l, p16 = _three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, step,
-                                          (_zeros((_ROWS, H)), m, l, p.astype(dt)), band)
+                                          (_zeros((_ROWS, H)), m, l, p.astype(dt)), band, segmented)
             q_free()  # every Q K^T of this tile is done
             g = base + tl.steps - 1
             last = lax.rem(g, _i32(stages))
@@ -707,6 +762,8 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
                 tl = tile(schedule.tile(table_ref, kk))
                 rows = (tl.b, pl.ds(tl.r0 + wg * _ROWS, _ROWS), tl.n)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s, q_bar.at[wg])
+                if segmented:
+                    plgpu.copy_gmem_to_smem(row_ids_ref.at[rows[:2]], row_ids_smem.at[wg], q_bar.at[wg])
 
             load_q(0)
 
@@ -717,8 +774,9 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
                 if schedule.table is not None:
                     sched.realign()
                 plgpu.barrier_wait(q_bar.at[wg])
+                row_ids = plgpu.load(row_ids_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if segmented else None
                 loop = overlapped if overlap else sequential
-                acc, m, l = loop(tl, base, total, rows, q_s, mma, _full_rows(_ROWS, -jnp.inf, 1),
+                acc, m, l = loop(tl, base, total, rows, row_ids, q_s, mma, _full_rows(_ROWS, -jnp.inf, 1),
                                  _full_rows(_ROWS, 0.0, 1), prefetch if separate_out else lambda: None)
                 seen = l > 0.0
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
@@ -751,6 +809,8 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
                     keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
                     k_ring.acquire(slot, g)
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+                    if segmented:
+                        plgpu.copy_gmem_to_smem(col_ids_ref.at[keys[:2]], col_ids_smem.at[slot], k_bar.at[slot])
                     v_ring.acquire(slot, g)
                     plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
                     return c
@@ -770,10 +830,13 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
             plgpu.SMEM((_WGS, _ROWS), _F32),
             plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
+            plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
+            plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
         ]
+        copies = 2 if segmented else 1  # TMA copies per barrier use: Q (K) and its segment ids
         bars = [
-            plgpu.Barrier(num_barriers=_WGS),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=_WGS),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
@@ -788,14 +851,14 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
         thread_name="wg",
         compiler_params=_params(),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, schedule.input())
+    )(q, k, v, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
     return out, lse
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv(q, k, v, do, lse2, delta, spec):
+def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec):
     """(dk, dv) [B, S, K, H]: one CTA per 128 keys of one (b, kv head), dk and dv in registers.
 
     One-pass variants that also add each CTA's ds k into an f32 dq with TMA reduce-adds (5
@@ -813,22 +876,26 @@ def _dkv(q, k, v, do, lse2, delta, spec):
     bq = 64
     item = jnp.dtype(dt).itemsize
     interpret = interpret_enabled()
-    stages = _stages(2 * bq * H * item + 2 * bq * 4, 2 * _CTA * H * item)
+    segmented = q_segment_ids is not None
+    stages = _stages(2 * bq * H * item + (3 if segmented else 2) * bq * 4, 2 * _CTA * H * item)
     band = _Band.keys_by_query(spec, T, S)
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS
 
-    def tile(t) -> _Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
-        return _Tile.of(t, (K, S // _CTA, B), band, bq, T, last_first=False)
+    def tile_at(t, reach=None) -> _Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
+        return _Tile.of(t, (K, S // _CTA, B), band, bq, T, last_first=False, reach=reach)
 
-    steps_of = lambda t: G * tile(t).steps  # ring uses: every query head of the group
-    # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS).
-    persistent = H in _PERSISTENT_DKV_HEAD_DIMS and spec.window_left is None
-    schedule = _Schedule.of(steps_of, (K, S // _CTA, B), persistent, interpret)
+    # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS);
+    # with segment ids a tile's blocks depend on the data, so no balanced schedule.
+    persistent = H in _PERSISTENT_DKV_HEAD_DIMS and spec.window_left is None and not segmented
+    schedule = _Schedule.of(lambda t: G * tile_at(t).steps, (K, S // _CTA, B), persistent, interpret)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, dk_ref, dv_ref,
-               k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, kv_bar, loaded, free):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
+               dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage,
+               row_ids_smem, col_ids_smem, kv_bar, loaded, free):
         wg = lax.axis_index("wg")
         ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
+        tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
+        steps_of = lambda t: G * tile(t).steps  # ring uses: every query head of the group
 
         @pl.when(wg < _WGS)
         def _consumer():
@@ -846,7 +913,10 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
                 plgpu.copy_gmem_to_smem(k_ref.at[gk], k_s, kv_bar.at[wg])
                 plgpu.copy_gmem_to_smem(v_ref.at[gk], v_s, kv_bar.at[wg])
+                if segmented:
+                    plgpu.copy_gmem_to_smem(row_ids_ref.at[gk[:2]], row_ids_smem.at[wg], kv_bar.at[wg])
                 plgpu.barrier_wait(kv_bar.at[wg])
+                row_ids = plgpu.load(row_ids_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if segmented else None
 
                 def head(g, carry):
                     def step(j, carry, masked):
@@ -863,7 +933,10 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                         lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                         pt = _exp2(st, c, _bcast(lse, st.shape, 1))
                         if masked:
-                            pt = jnp.where(band.mask(keys, j * bq, st.shape), pt, 0.0)
+                            col_ids = None
+                            if segmented:
+                                col_ids = plgpu.load(col_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                            pt = jnp.where(_allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
                         if not fa3_order:
                             dv, dpt = mma.two(dv, pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
                         dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -877,7 +950,7 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                         ring.release(slot, i, total)
                         return dk, dv
 
-                    return _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band)
+                    return _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
 
                 dk, dv = lax.fori_loop(0, G, head, (_zeros((_ROWS, H)), _zeros((_ROWS, H))))
                 # The results go out through the K/V buffers (every wgmma reading them is done).
@@ -908,6 +981,8 @@ def _dkv(q, k, v, do, lse2, delta, spec):
                     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
                     plgpu.copy_gmem_to_smem(lse_ref.at[tl.b, n, pl.ds(t0, bq)], lse_smem.at[slot], loaded.at[slot])
                     plgpu.copy_gmem_to_smem(delta_ref.at[tl.b, n, pl.ds(t0, bq)], delta_smem.at[slot], loaded.at[slot])
+                    if segmented:
+                        plgpu.copy_gmem_to_smem(col_ids_ref.at[rows[:2]], col_ids_smem.at[slot], loaded.at[slot])
                     return c
 
                 lax.fori_loop(0, G * tl.steps, load, None)
@@ -926,10 +1001,13 @@ def _dkv(q, k, v, do, lse2, delta, spec):
             plgpu.SMEM((stages, bq), _F32),
             plgpu.SMEM((stages, bq), _F32),
             plgpu.SMEM((_WGS, _ROWS, bq), dt, transforms=tr) if interpret else None,
+            plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
+            plgpu.SMEM((stages, bq), jnp.int32) if segmented else None,
         ]
+        ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
         bars = [
-            plgpu.Barrier(num_arrivals=2, num_barriers=_WGS),
-            plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2 + ids, num_barriers=_WGS),
+            plgpu.Barrier(num_arrivals=4 + ids, num_barriers=stages),
             plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
         ]
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
@@ -943,10 +1021,10 @@ def _dkv(q, k, v, do, lse2, delta, spec):
         thread_name="wg",
         compiler_params=_params(),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, do, lse2, delta, schedule.input())
+    )(q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
 
 
-def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
+def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, *, fused_delta: bool):
     """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_DQ_BLOCK_KV` streamed.
 
     fused_delta: row_term is dlse, and delta = rowsum(dO * O) - dlse is computed here for the
@@ -960,19 +1038,25 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
     bkv = _DQ_BLOCK_KV
     assert bkv >= _CTA, "the O rows of a tile go through one K ring slot"
     item = jnp.dtype(dt).itemsize
-    stages = _stages(2 * bkv * H * item, 2 * _CTA * H * item)
+    segmented = q_segment_ids is not None
+    assert not (segmented and fused_delta), "the O rows' ring use has no segment ids copy"
+    stages = _stages(2 * bkv * H * item + (4 * bkv if segmented else 0), 2 * _CTA * H * item)
     band = _Band.forward(spec, T, S)
     interpret = interpret_enabled()
-    tile = lambda t: _Tile.of(t, (N, T // _CTA, B), band, bkv, S, last_first=True)
+    tile_at = lambda t, reach=None: _Tile.of(t, (N, T // _CTA, B), band, bkv, S, last_first=True, reach=reach)
     first = 1 if fused_delta else 0  # ring uses before the key blocks
-    steps_of = lambda t: tile(t).steps + first
-    schedule = _Schedule.of(steps_of, (N, T // _CTA, B), H in _PERSISTENT_DQ_HEAD_DIMS, interpret)
+    persistent = H in _PERSISTENT_DQ_HEAD_DIMS and not segmented
+    schedule = _Schedule.of(lambda t: tile_at(t).steps + first, (N, T // _CTA, B), persistent, interpret)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, row_ref, table_ref, dq_ref, *rest):
+    def kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, row_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
+               dq_ref, *rest):
         delta_ref = rest[0] if fused_delta else None
-        q_smem, do_smem, k_smem, v_smem, lse_smem, row_smem, delta_smem, stage, q_bar, loaded, free = rest[-11:]
+        (q_smem, do_smem, k_smem, v_smem, lse_smem, row_smem, delta_smem, stage, row_ids_smem, col_ids_smem,
+         q_bar, loaded, free) = rest[-13:]
         wg = lax.axis_index("wg")
         ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
+        tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
+        steps_of = lambda t: tile(t).steps + first
 
         @pl.when(wg < _WGS)
         def _consumer():
@@ -992,9 +1076,12 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
                 plgpu.copy_gmem_to_smem(row_ref.at[row_stats], row_smem.at[wg], q_bar.at[wg])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dq and delta stores
                 plgpu.copy_gmem_to_smem(q_ref.at[gq], q_s, q_bar.at[wg])
+                if segmented:
+                    plgpu.copy_gmem_to_smem(row_ids_ref.at[gq[:2]], row_ids_smem.at[wg], q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
                 lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                 dl = plgpu.load(row_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                row_ids = plgpu.load(row_ids_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if segmented else None
                 if fused_delta:
                     # Ring use `base`: this tile's O rows, WG w's at rows [64 w, 64 w + 64) of the K slot.
                     o_slot = lax.rem(base, _i32(stages))
@@ -1014,7 +1101,10 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
                     s, c = _scores(mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv)), spec)
                     p = _exp2(s, c, _bcast(lse, s.shape, 0))
                     if masked:
-                        p = jnp.where(band.mask(rows, j * bkv, s.shape), p, 0.0)
+                        col_ids = None
+                        if segmented:
+                            col_ids = plgpu.load(col_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        p = jnp.where(_allowed(band, rows, j * bkv, s.shape, row_ids, col_ids), p, 0.0)
                     dp = mma(do_s, v_smem.at[slot].transpose((1, 0)), (_ROWS, bkv))
                     ds = p * (dp - _bcast(dl, s.shape, 0))
                     if spec.logit_soft_cap is not None:
@@ -1023,7 +1113,7 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
                     ring.release(slot, i, total)
                     return dq
 
-                dq = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, _zeros((_ROWS, H)), band)
+                dq = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, _zeros((_ROWS, H)), band, segmented)
                 q_s[...] = (dq * spec.scale).astype(dt)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_s, dq_ref.at[gq])
@@ -1053,6 +1143,8 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
                     keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], loaded.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], loaded.at[slot])
+                    if segmented:
+                        plgpu.copy_gmem_to_smem(col_ids_ref.at[keys[:2]], col_ids_smem.at[slot], loaded.at[slot])
                     return c
 
                 lax.fori_loop(0, tl.steps, load, None)
@@ -1072,10 +1164,13 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
             plgpu.SMEM((_WGS, _ROWS), _F32),
             plgpu.SMEM((_WGS, _ROWS), _F32),
             plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
+            plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
+            plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
         ]
+        ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
         bars = [
-            plgpu.Barrier(num_arrivals=4, num_barriers=_WGS),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=4 + ids, num_barriers=_WGS),
+            plgpu.Barrier(num_arrivals=2 + ids, num_barriers=stages),
             plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
         ]
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
@@ -1089,7 +1184,7 @@ def _dq(q, k, v, do, out, lse2, row_term, spec, *, fused_delta: bool):
         thread_name="wg",
         compiler_params=_params(),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, do, out, lse2, row_term, schedule.input())
+    )(q, k, v, do, out, lse2, row_term, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
 
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
@@ -1109,12 +1204,13 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
     dout, out = dout.astype(q.dtype), out.astype(q.dtype)
     dlse = jnp.broadcast_to(dlse, lse.shape).astype(_F32)
-    if _DELTA_IN_DQ_KERNEL and spec.window_left is None:
-        dq, delta = _dq(q, k, v, dout, out, lse2, dlse, spec, fused_delta=True)
+    segments = (q_segment_ids, kv_segment_ids)
+    if _DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None:
+        dq, delta = _dq(q, k, v, dout, out, lse2, dlse, *segments, spec, fused_delta=True)
     else:
         delta = jnp.einsum("btnh,btnh->bnt", dout.astype(_F32), out.astype(_F32)) - dlse
-        (dq,) = _dq(q, k, v, dout, out, lse2, delta, spec, fused_delta=False)
-    dk, dv = _dkv(q, k, v, dout, lse2, delta, spec)
+        (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, fused_delta=False)
+    dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec)
     return dq, dk, dv, None
 
 
@@ -1129,8 +1225,6 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         return f"dtype {jnp.dtype(q.dtype).name} not supported: needs bf16 or f16"
     if bias is not None or mask is not None:
         return "bias/mask not supported"
-    if q_segment_ids is not None or kv_segment_ids is not None:
-        return "segment ids not supported"
     if spec.dropout_rate > 0:
         return "dropout not supported"
     if H not in _HEAD_DIMS or Hv != H:
