@@ -3,8 +3,8 @@
 Contract: kernels/common/attention.py (q [B,T,N,H], k/v [B,S,K,H], lse [B,N,T] f32, GQA head
 n -> kv head n // G with G = N // K, causal/window aligned so the last query sits at the last key:
 query t is at key position t + off, off = S - T). Scope: bf16/f16, H = Hv in {64, 128, 256},
-T and S multiples of 128, causal / window / logit soft cap; everything else is refused by
-`_supports` (the op then falls back to Triton or XLA).
+T and S multiples of 128, causal / window / logit soft cap / segment ids; everything else is
+refused by `_supports` (the op then falls back to Triton or XLA).
 
 Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
   * WG 0 and WG 1 (consumers) each own 64 query rows: Q via TMA into SMEM, then per key block j
@@ -26,6 +26,13 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
   * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
     blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
     masked edge), so causal costs ~half of non-causal.
+  * Segment ids (packed sequences; every kernel alike): [lo, hi) is narrowed further to the
+    columns the tile's ids may reach (`segment_ranges`, read per tile from a [B, tiles, 3]
+    table, `_within_reach`), the masked steps also compare the row ids (loaded once per tile)
+    with the column block's ids (TMA'd into the ring with K, or with Q/dO in the dK/dV kernel),
+    and only blocks inside one segment shared by the whole tile stay unmasked. The blocks then
+    depend on the data, so these calls run one CTA per tile (no balanced persistent table) and
+    the dQ kernel reads delta from XLA.
 
 Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except under a left
 window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
