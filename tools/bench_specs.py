@@ -195,6 +195,8 @@ def _attention_spec() -> Spec:
         # documents unpacked, as a batch of 8: the cost packing should come close to.
         Shape("packed 8x2048 causal B1 T16384 N32", (1, 16384, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("documents", 2048))),
+        Shape("packed 32x512 GQA H64 causal B1 T16384 N32 KV8", (1, 16384, 32, 8, 64), "bfloat16",
+              options=(("causal", True), ("documents", 512))),
         Shape("small causal f32", (1, 256, 4, 2, 64), "float32", small=True, options=(("causal", True),)),
     )
 
