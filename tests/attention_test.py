@@ -389,6 +389,17 @@ def test_packed_segments_never_visit_blocks_between_documents(backend, causal):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_segment_ids_at_the_int32_extremes_with_unaligned_lengths(backend):
+    # pallas_gpu pads unaligned lengths with an id below the smallest query id; here that is
+    # -2^31, so it must take one above the largest instead.
+    B, T, S, N, K = 1, 40, 130, 2, 1
+    lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    q_seg = jnp.asarray(np.where(np.arange(T) < 25, lo, 7)[None].astype(np.int32))
+    kv_seg = jnp.asarray(np.where(np.arange(S) < 60, lo, np.where(np.arange(S) < 100, 7, hi))[None].astype(np.int32))
+    _check(backend, _qkv(B, T, S, N, K, 64, jnp.bfloat16, seed=29), dict(causal=True, segment_ids=(q_seg, kv_seg)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_unsorted_segment_ids_match_reference(backend):
     # Ids that are not sorted runs: the segment ranges of a block are then a superset, never a cut.
     B, T, S, N, K = 1, 128, 256, 2, 2  # multiples of 128: pallas_gpu runs it too

@@ -43,6 +43,7 @@ SHAPES = {
     "packed segments": (2, 4096, 4096, 16, 16, 128, dict(causal=True, segments=True)),
     "packed segments H64 GQA": (2, 4096, 4096, 16, 4, 64, dict(segments=True)),
     "packed segments H256": (1, 4096, 4096, 8, 8, 256, dict(causal=True, segments=True)),
+    "unaligned T1000 S3000 soft cap": (2, 1000, 3000, 16, 4, 128, dict(causal=True, logit_soft_cap=50.0)),
 }
 
 

@@ -197,6 +197,9 @@ def _attention_spec() -> Spec:
               options=(("causal", True), ("documents", 2048))),
         Shape("packed 32x512 GQA H64 causal B1 T16384 N32 KV8", (1, 16384, 32, 8, 64), "bfloat16",
               options=(("causal", True), ("documents", 512))),
+        # Unaligned length (not a multiple of 128) with a soft cap: cuDNN cannot; pallas_gpu pads.
+        Shape("soft cap 50 causal B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
+              options=(("causal", True), ("logit_soft_cap", 50.0))),
         Shape("small causal f32", (1, 256, 4, 2, 64), "float32", small=True, options=(("causal", True),)),
     )
 

@@ -3,8 +3,9 @@
 Contract: kernels/common/attention.py (q [B,T,N,H], k/v [B,S,K,H], lse [B,N,T] f32, GQA head
 n -> kv head n // G with G = N // K, causal/window aligned so the last query sits at the last key:
 query t is at key position t + off, off = S - T). Scope: bf16/f16, H = Hv in {64, 128, 256},
-T and S multiples of 128, causal / window / logit soft cap / segment ids; everything else is
-refused by `_supports` (the op then falls back to Triton or XLA).
+causal / window / logit soft cap / segment ids; everything else is refused by `_supports` (the op
+then falls back to Triton or XLA). Lengths that are not multiples of 128 are padded in front of
+the queries and keys, the padded keys masked through segment ids (`_tails`).
 
 Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
   * WG 0 and WG 1 (consumers) each own 64 query rows: Q via TMA into SMEM, then per key block j
@@ -613,8 +614,40 @@ class _Tile:
         return self.hi - self.lo
 
 
+def _front_pad(x, n: int, value=0):
+    """x with n entries of `value` put in front of axis 1."""
+    return x if n == 0 else jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+
+def _tails(q, k, q_segment_ids, kv_segment_ids):
+    """Lengths that are not multiples of 128 (the kernels' tiles): (rows a, columns b) to put in
+    front of the queries and of the keys, and the segment ids of the padded call.
+
+    Padding in FRONT keeps S - T, hence the causal/window alignment, for every real query; the
+    padded keys get an id no query has (one below the smallest query id), so no real query sees
+    them, and the padded queries get it too (their rows are computed, then dropped; in the
+    backward their dO is 0 and lse -inf, so they add nothing). With sorted ids the padded ones
+    stay sorted, so the reach of each tile stays tight (`segment_ranges`). The one layout this
+    cannot pad is query ids that include -2^31 and 2^31 - 1 both (no id is left outside them)."""
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    a, b = -T % _CTA, -S % _CTA
+    if not (a or b):
+        return 0, 0, q_segment_ids, kv_segment_ids
+    if q_segment_ids is None:
+        q_segment_ids, kv_segment_ids = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
+    q_ids, kv_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    lo, hi = jnp.min(q_ids), jnp.max(q_ids)
+    pad = jnp.where(lo > jnp.iinfo(jnp.int32).min, lo - 1, hi + 1)
+    return a, b, _front_pad(q_ids, a, pad), _front_pad(kv_ids, b, pad)
+
+
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
     del bias, mask, dropout_seed  # refused by _supports
+    a, b, q_ids, kv_ids = _tails(q, k, q_segment_ids, kv_segment_ids)
+    if a or b:
+        out, lse = _forward(_front_pad(q, a), _front_pad(k, b), _front_pad(v, b), None, None, q_ids, kv_ids, None, spec)
+        return out[:, a:], lse[:, :, a:]
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G, dt = N // K, q.dtype
@@ -1207,6 +1240,13 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         from forgeax.kernels.triton import attention as triton_attention  # lazily: triton is optional
 
         return triton_attention.backward(*args)
+    a, b, q_ids, kv_ids = _tails(q, k, q_segment_ids, kv_segment_ids)
+    if a or b:  # see _tails; the padded query rows get dO = 0, lse = -inf, dlse = 0
+        dq, dk, dv, _ = _backward(
+            _front_pad(q, a), _front_pad(k, b), _front_pad(v, b), None, None, q_ids, kv_ids, None,
+            _front_pad(out, a), _front_pad(lse.swapaxes(1, 2), a, -jnp.inf).swapaxes(1, 2), _front_pad(dout, a),
+            _front_pad(jnp.broadcast_to(dlse, lse.shape).swapaxes(1, 2), a).swapaxes(1, 2), spec)
+        return dq[:, a:], dk[:, b:], dv[:, b:], None
     # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0.
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
     dout, out = dout.astype(q.dtype), out.astype(q.dtype)
@@ -1236,8 +1276,8 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         return "dropout not supported"
     if H not in _HEAD_DIMS or Hv != H:
         return f"head_dim {H} (v {Hv}) not supported: needs H == Hv in {_HEAD_DIMS}"
-    if T == 0 or S == 0 or T % _CTA or S % _CTA:
-        return f"T={T}, S={S} not supported: both must be positive multiples of {_CTA}"
+    if T == 0 or S == 0:
+        return f"T={T}, S={S}: empty"
     return gpu_refusal(wgmma=True)
 
 
