@@ -43,7 +43,7 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
     spec = kwargs["spec"]
     if platform != "gpu" or not spec.has_position_mask:
         return ()
-    if q.shape[2] > k.shape[2] or spec.window_left is not None or q.shape[3] > 128:
+    if (q.shape[2] > k.shape[2] or spec.window_left is not None or q.shape[3] > 128) and _aligned(args):
         return ("pallas_gpu",)
     return ()
 
@@ -61,9 +61,19 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     more power per call and runs at a lower clock under the power cap,
     results/attention_power_fwd_bwd_H100.json)."""
     spec = kwargs["spec"]
-    if platform == "gpu" and spec.causal and spec.window_left is None and args[0].shape[3] == 64:
+    if (platform == "gpu" and spec.causal and spec.window_left is None and args[0].shape[3] == 64
+            and _aligned(args)):
         return ("pallas_gpu",)
     return ()
+
+
+def _aligned(args) -> bool:
+    """T and S multiples of 128, pallas_gpu's tile: the measurements behind the orders above are
+    all at such lengths; other lengths take pallas_gpu's padded path (one CTA per tile, masked
+    through segment ids), which was measured slower than its aligned kernels (soft cap B4 N32
+    H128 forward: 1.560 ms at T4000 against 1.146 at T4096, results/attention_H100_unaligned_soft_cap.json),
+    so they keep cuDNN first where it computes the call."""
+    return args[0].shape[1] % 128 == 0 and args[1].shape[1] % 128 == 0
 
 
 ATTENTION = define_op(

@@ -573,15 +573,26 @@ def test_training_order_rule():
     from forgeax.kernels.common.attention import AttentionSpec
     from forgeax.ops.attention import _training_order
 
-    def order(H, platform="gpu", **spec):
-        q = jax.ShapeDtypeStruct((1, 256, 4, H), jnp.bfloat16)
+    def order(H, platform="gpu", T=256, **spec):
+        q = jax.ShapeDtypeStruct((1, T, 4, H), jnp.bfloat16)
         return _training_order(platform, (q, q, q), {"spec": AttentionSpec(**spec)})
 
     assert order(64, causal=True) == ("pallas_gpu",)
+    assert order(64, T=1000, causal=True) == ()  # unaligned: pallas_gpu's padded path, cuDNN first
     assert order(64, platform="tpu", causal=True) == ()
     assert order(128, causal=True) == ()
     assert order(64) == ()
     assert order(64, causal=True, window_left=100, window_right=0) == ()
+
+
+def test_inference_order_keeps_unaligned_lengths_on_the_priority():
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.ops.attention import _inference_order
+
+    spec = AttentionSpec(causal=True, window_left=100, window_right=0)
+    for T, want in ((256, ("pallas_gpu",)), (1000, ())):
+        q = jax.ShapeDtypeStruct((1, T, 4, 128), jnp.bfloat16)
+        assert _inference_order("gpu", (q, q, q), {"spec": spec}) == want
 
 
 @pytest.mark.skipif(ON_CPU, reason="GPU only: the split involves cudnn and pallas_gpu")
