@@ -205,6 +205,12 @@ def _segment_inputs(row_ids, col_ids) -> tuple:
     return row_ids, col_ids, segment_ranges(row_ids, col_ids, _CTA)
 
 
+def _segment_ids(buf, index, axis: int):
+    """Segment ids staged in SMEM buf[index], loaded in WGMMA row (axis 1) or column (axis 0)
+    layout; None when the call has none (buf is then None)."""
+    return None if buf is None else plgpu.load(buf.at[index], layout=plgpu.Layout.WGMMA.reduce(axis))
+
+
 def _allowed(band: _Band, x0, y0, shape, row_ids=None, col_ids=None):
     """Position rule AND same segment over a (rows, cols) WGMMA tile at (x0, y0), or None if
     neither applies; row_ids / col_ids: the tile's segment ids in WGMMA row / column layout."""
@@ -614,9 +620,11 @@ class _Tile:
         return self.hi - self.lo
 
 
-def _front_pad(x, n: int, value=0):
-    """x with n entries of `value` put in front of axis 1."""
-    return x if n == 0 else jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+def _front_pad(x, n: int, value=0, axis: int = 1):
+    """x with n entries of `value` put in front of `axis`."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (n, 0)
+    return x if n == 0 else jnp.pad(x, widths, constant_values=value)
 
 
 def _tails(q, k, q_segment_ids, kv_segment_ids):
@@ -684,8 +692,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         # Segment ids of the key block in ring slot `slot` (WGMMA column layout), for masked steps:
         # read before the slot is released.
-        col_ids_at = lambda slot, masked: (
-            plgpu.load(col_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)) if segmented and masked else None)
+        col_ids_at = lambda slot, masked: _segment_ids(col_ids_smem, slot, 0) if masked else None
         # K/V ring uses are numbered across this CTA's tiles: key block j of a tile is use
         # g = base + j - lo (`_Schedule.run`).
         k_ring = _SlotFree(k_free, stages, _FIRST_NAMED_BARRIER, not interpret)
@@ -814,7 +821,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
                 if schedule.table is not None:
                     sched.realign()
                 plgpu.barrier_wait(q_bar.at[wg])
-                row_ids = plgpu.load(row_ids_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if segmented else None
+                row_ids = _segment_ids(row_ids_smem, wg, 1)
                 loop = overlapped if overlap else sequential
                 acc, m, l = loop(tl, base, total, rows, row_ids, q_s, mma, _full_rows(_ROWS, -jnp.inf, 1),
                                  _full_rows(_ROWS, 0.0, 1), prefetch if separate_out else lambda: None)
@@ -873,10 +880,10 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
             plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
         ]
-        copies = 2 if segmented else 1  # TMA copies per barrier use: Q (K) and its segment ids
+        ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
         bars = [
-            plgpu.Barrier(num_arrivals=copies, num_barriers=_WGS),
-            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1 + ids, num_barriers=_WGS),
+            plgpu.Barrier(num_arrivals=1 + ids, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
@@ -956,7 +963,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec):
                 if segmented:
                     plgpu.copy_gmem_to_smem(row_ids_ref.at[gk[:2]], row_ids_smem.at[wg], kv_bar.at[wg])
                 plgpu.barrier_wait(kv_bar.at[wg])
-                row_ids = plgpu.load(row_ids_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if segmented else None
+                row_ids = _segment_ids(row_ids_smem, wg, 1)
 
                 def head(g, carry):
                     def step(j, carry, masked):
@@ -973,9 +980,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec):
                         lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                         pt = _exp2(st, c, _bcast(lse, st.shape, 1))
                         if masked:
-                            col_ids = None
-                            if segmented:
-                                col_ids = plgpu.load(col_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                            col_ids = _segment_ids(col_ids_smem, slot, 0)
                             pt = jnp.where(_allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
                         if not fa3_order:
                             dv, dpt = mma.two(dv, pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
@@ -1121,7 +1126,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, *
                 plgpu.barrier_wait(q_bar.at[wg])
                 lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                 dl = plgpu.load(row_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-                row_ids = plgpu.load(row_ids_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if segmented else None
+                row_ids = _segment_ids(row_ids_smem, wg, 1)
                 if fused_delta:
                     # Ring use `base`: this tile's O rows, WG w's at rows [64 w, 64 w + 64) of the K slot.
                     o_slot = lax.rem(base, _i32(stages))
@@ -1141,9 +1146,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, *
                     s, c = _scores(mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv)), spec)
                     p = _exp2(s, c, _bcast(lse, s.shape, 0))
                     if masked:
-                        col_ids = None
-                        if segmented:
-                            col_ids = plgpu.load(col_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        col_ids = _segment_ids(col_ids_smem, slot, 0)
                         p = jnp.where(_allowed(band, rows, j * bkv, s.shape, row_ids, col_ids), p, 0.0)
                     dp = mma(do_s, v_smem.at[slot].transpose((1, 0)), (_ROWS, bkv))
                     ds = p * (dp - _bcast(dl, s.shape, 0))
@@ -1244,8 +1247,8 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     if a or b:  # see _tails; the padded query rows get dO = 0, lse = -inf, dlse = 0
         dq, dk, dv, _ = _backward(
             _front_pad(q, a), _front_pad(k, b), _front_pad(v, b), None, None, q_ids, kv_ids, None,
-            _front_pad(out, a), _front_pad(lse.swapaxes(1, 2), a, -jnp.inf).swapaxes(1, 2), _front_pad(dout, a),
-            _front_pad(jnp.broadcast_to(dlse, lse.shape).swapaxes(1, 2), a).swapaxes(1, 2), spec)
+            _front_pad(out, a), _front_pad(lse, a, -jnp.inf, axis=2), _front_pad(dout, a),
+            _front_pad(jnp.broadcast_to(dlse, lse.shape), a, axis=2), spec)
         return dq[:, a:], dk[:, b:], dv[:, b:], None
     # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0.
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
