@@ -356,7 +356,7 @@ def test_segment_ranges_cover_every_shared_column_and_only_the_span_of_sorted_id
 
 
 # Backends whose loops skip the key/query blocks that no segment of a block reaches.
-SEGMENT_SKIPPING = {"triton", "pallas_gpu"}
+SEGMENT_SKIPPING = {"triton", "pallas_gpu", "pallas_tpu"}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -42,8 +42,13 @@ Kernels:
     is already that size, wasteful for a broadcast one).
   * `_dq_kernel`, grid (B, N, Tp/bq, Sp/bk), key axis "arbitrary".
 Blocks with no allowed (t, s) under causal/window are skipped with pl.when, and their index
-maps are clamped into the live range so the skipped steps fetch nothing new. Dropout recomputes the contract's hash (`dropout_keep`, uint32) inside the kernel
-from the global (b, n, t, s); the seed travels in SMEM.
+maps are clamped into the live range so the skipped steps fetch nothing new. Segment ids narrow
+that range too (splash-style, for packed sequences): XLA computes per block the first and last
+block of the streamed axis its ids may reach (`segment_ranges`, 8 bytes per batch row and
+block), scalar-prefetched into SMEM, where both the index maps and the kernel bodies read it; a
+block-diagonal packing then visits only the blocks near its diagonal. Dropout recomputes the
+contract's hash (`dropout_keep`, uint32) inside the kernel from the global (b, n, t, s); the
+seed travels in SMEM.
 
 Refused (`supports` says why): head dims outside 64..256 or not a multiple of 64, dtypes
 other than f32/bf16/f16, empty T or S.
@@ -67,6 +72,7 @@ from forgeax.kernels.common.attention import (
     differentiable_attention,
     dropout_keep,
     reduce_bias_grad,
+    segment_ranges,
 )
 from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.ops.interface import Implementation, interpret_enabled
@@ -177,6 +183,22 @@ def _live(L: _Layout, spec: AttentionSpec, i, j):
     return live
 
 
+def _reach(reach_ref, b, row, rows: int):
+    """(first, last) streamed block that the segment ids of block `row` of batch b may reach."""
+    at = 2 * (b * rows + row)
+    return reach_ref[at], reach_ref[at + 1]
+
+
+def _within(bounds, x):
+    lo, hi = bounds
+    return jnp.logical_and(x >= lo, x <= hi)
+
+
+def _split_reach(L: _Layout, refs):
+    """(segment reach ref or None, the other refs): the scalar-prefetched table comes first."""
+    return (refs[0], refs[1:]) if L.segments else (None, refs)
+
+
 def _scores(L: _Layout, spec: AttentionSpec, q, k, opt, b, n, i, j):
     """(z masked with -inf, tanh of the soft cap or None, dropout keep or None) for one (bq, bk) tile."""
     z = _dot(q, k, _NT) * spec.scale
@@ -240,9 +262,13 @@ def _dropped(p, keep, spec):
 # ----------------------------------------------------------------------------- kernels
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, L: _Layout, spec: AttentionSpec):
+def _fwd_kernel(*refs, L: _Layout, spec: AttentionSpec):
+    reach_ref, (q_ref, k_ref, v_ref, *refs) = _split_reach(L, refs)
     opt, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _take_optional(L, spec, refs)
     b, n, i, j = (pl.program_id(a) for a in range(4))
+    live = _live(L, spec, i, j)
+    if reach_ref is not None:
+        live = jnp.logical_and(live, _within(_reach(reach_ref, b, i, L.nq), j))
 
     @pl.when(j == 0)
     def _init():
@@ -250,7 +276,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, L: _Layout, spec: AttentionSpec):
         l_sc[...] = jnp.zeros(l_sc.shape, _F32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
 
-    @pl.when(_live(L, spec, i, j))
+    @pl.when(live)
     def _step():
         z, _, keep = _scores(L, spec, q_ref[...], k_ref[...], opt, b, n, i, j)
         m_old = m_sc[...]
@@ -282,7 +308,8 @@ def _grad_tile(L, spec, q, k, v, do, lse, delta, opt, b, n, i, j):
     return _dropped(p, keep, spec), dz, dz_capped
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, L: _Layout, spec: AttentionSpec):
+def _dkv_kernel(*refs, L: _Layout, spec: AttentionSpec):
+    reach_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs) = _split_reach(L, refs)
     opt, rest = _take_optional(L, spec, refs)
     dk_ref, dv_ref = rest[:2]
     dz_ref = rest[2] if L.bias is not None else None
@@ -298,6 +325,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, L: _Layo
         dv_sc[...] = jnp.zeros(dv_sc.shape, _F32)
 
     live = _live(L, spec, i, j)
+    if reach_ref is not None:
+        live = jnp.logical_and(live, _within(_reach(reach_ref, b, j, L.nk), i))
 
     @pl.when(live)
     def _step():
@@ -319,15 +348,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, L: _Layo
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, L: _Layout, spec: AttentionSpec):
+def _dq_kernel(*refs, L: _Layout, spec: AttentionSpec):
+    reach_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs) = _split_reach(L, refs)
     opt, (dq_ref, dq_sc) = _take_optional(L, spec, refs)
     b, n, i, j = (pl.program_id(a) for a in range(4))
+    live = _live(L, spec, i, j)
+    if reach_ref is not None:
+        live = jnp.logical_and(live, _within(_reach(reach_ref, b, i, L.nq), j))
 
     @pl.when(j == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, _F32)
 
-    @pl.when(_live(L, spec, i, j))
+    @pl.when(live)
     def _step():
         k = k_ref[...]
         _, _, dz_capped = _grad_tile(L, spec, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], opt, b, n, i, j)
@@ -368,24 +401,34 @@ def _clamp(x, lo, hi, n):
     return jnp.minimum(jnp.maximum(jnp.minimum(jnp.maximum(x, lo), hi), 0), n - 1)
 
 
+def _narrowed(bounds, reach):
+    """Position bounds (lo, hi) intersected with the segment reach (`_reach`) when there is one."""
+    if reach is None:
+        return bounds
+    return jnp.maximum(bounds[0], reach[0]), jnp.minimum(bounds[1], reach[1])
+
+
 def _fwd_grid_ids(L: _Layout, spec: AttentionSpec):
-    def ids(b, n, i, j):
-        if spec.has_position_mask:
-            j = _clamp(j, *_key_range(L, spec, i), L.nk)
+    def ids(b, n, i, j, *reach_ref):
+        if spec.has_position_mask or reach_ref:
+            reach = _reach(reach_ref[0], b, i, L.nq) if reach_ref else None
+            j = _clamp(j, *_narrowed(_key_range(L, spec, i), reach), L.nk)
         return b, n, i, j
     return ids
 
 
 def _dkv_grid_ids(L: _Layout, spec: AttentionSpec):
-    def ids(b, kh, j, g, i):
-        if spec.has_position_mask:
-            i = _clamp(i, *_query_range(L, spec, j), L.nq)
+    def ids(b, kh, j, g, i, *reach_ref):
+        if spec.has_position_mask or reach_ref:
+            reach = _reach(reach_ref[0], b, j, L.nk) if reach_ref else None
+            i = _clamp(i, *_narrowed(_query_range(L, spec, j), reach), L.nq)
         return b, kh * L.G + g, i, j
     return ids
 
 
 def _specs(L: _Layout, spec: AttentionSpec, ids, *, grad: bool):
-    """BlockSpecs of (q, k, v, [do, lse, delta], optional inputs); `ids` maps grid indices to (b, n, i, j)."""
+    """BlockSpecs of (q, k, v, [do, lse, delta], optional inputs); `ids` maps grid indices (and
+    the scalar-prefetched segment reach) to (b, n, i, j)."""
     at = lambda f: (lambda *g: f(*ids(*g)))  # noqa: E731
     row_block = lambda width: pl.BlockSpec((None, None, L.bq, width), at(lambda b, n, i, j: (b, n, i, 0)))  # noqa: E731
     kv_block = lambda width: pl.BlockSpec((None, None, L.bk, width), at(lambda b, n, i, j: (b, lax.div(n, L.G), j, 0)))  # noqa: E731
@@ -407,14 +450,16 @@ def _specs(L: _Layout, spec: AttentionSpec, ids, *, grad: bool):
     return specs
 
 
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, scratch, semantics, cost, interpret):
+def _call(kernel, L: _Layout, *, grid, in_specs, out_specs, out_shape, scratch, semantics, cost, interpret):
+    """The pallas_call; with segment ids its first argument is the segment reach table, prefetched
+    into SMEM so index maps and kernel bodies can read it."""
     call = pl.pallas_call(
         kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=int(L.segments), grid=grid, in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
         out_shape=out_shape,
-        scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT),
         cost_estimate=cost,
         interpret=pltpu.InterpretParams() if interpret else False,
@@ -442,11 +487,11 @@ def _fwd_call(L: _Layout, spec: AttentionSpec, out_dtype, interpret: bool, nbyte
         jax.ShapeDtypeStruct((L.B, L.N, L.Tp, 1), _F32),
     ]
     out_specs = [
-        pl.BlockSpec((None, None, L.bq, L.Hv), lambda b, n, i, j: (b, n, i, 0)),
-        pl.BlockSpec((None, None, L.bq, 1), lambda b, n, i, j: (b, n, i, 0)),
+        pl.BlockSpec((None, None, L.bq, L.Hv), lambda b, n, i, j, *_: (b, n, i, 0)),
+        pl.BlockSpec((None, None, L.bq, 1), lambda b, n, i, j, *_: (b, n, i, 0)),
     ]
     return _call(
-        functools.partial(_fwd_kernel, L=L, spec=spec),
+        functools.partial(_fwd_kernel, L=L, spec=spec), L,
         grid=(L.B, L.N, L.nq, L.nk),
         in_specs=_specs(L, spec, ids, grad=False),
         out_specs=out_specs,
@@ -460,7 +505,7 @@ def _fwd_call(L: _Layout, spec: AttentionSpec, out_dtype, interpret: bool, nbyte
 
 @functools.lru_cache(maxsize=None)
 def _dkv_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
-    kv_map = lambda b, kh, j, g, i: (b, kh, j, 0)  # noqa: E731
+    kv_map = lambda b, kh, j, g, i, *_: (b, kh, j, 0)  # noqa: E731
     out_shape = [
         jax.ShapeDtypeStruct((L.B, L.K, L.Sp, L.H), L.dtype),
         jax.ShapeDtypeStruct((L.B, L.K, L.Sp, L.Hv), L.dtype),
@@ -469,9 +514,9 @@ def _dkv_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
     if L.bias is not None:  # dz, summed over the bias' broadcast axes by the wrapper
         out_shape.append(jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.Sp), _F32))
         out_specs.append(pl.BlockSpec(
-            (None, None, L.bq, L.bk), lambda b, kh, j, g, i: (b, kh * L.G + g, i, j)))
+            (None, None, L.bq, L.bk), lambda b, kh, j, g, i, *_: (b, kh * L.G + g, i, j)))
     return _call(
-        functools.partial(_dkv_kernel, L=L, spec=spec),
+        functools.partial(_dkv_kernel, L=L, spec=spec), L,
         grid=(L.B, L.K, L.nk, L.G, L.nq),
         in_specs=_specs(L, spec, _dkv_grid_ids(L, spec), grad=True),
         out_specs=out_specs,
@@ -487,10 +532,10 @@ def _dkv_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
 def _dq_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
     out_shape = jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.H), L.dtype)
     return _call(
-        functools.partial(_dq_kernel, L=L, spec=spec),
+        functools.partial(_dq_kernel, L=L, spec=spec), L,
         grid=(L.B, L.N, L.nq, L.nk),
         in_specs=_specs(L, spec, _fwd_grid_ids(L, spec), grad=True),
-        out_specs=pl.BlockSpec((None, None, L.bq, L.H), lambda b, n, i, j: (b, n, i, 0)),
+        out_specs=pl.BlockSpec((None, None, L.bq, L.H), lambda b, n, i, j, *_: (b, n, i, 0)),
         out_shape=out_shape,
         scratch=[pltpu.VMEM((L.bq, L.H), _F32)],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
@@ -520,6 +565,14 @@ def _rows(a, L: _Layout, value=0.0):
     return _pad_axis(a, 2, L.Tp, value)[..., None]
 
 
+def _segment_reach(row_ids, col_ids, row_block: int, col_block: int):
+    """[B * row blocks * 2] int32: per block of `row_block` rows, the first and last block of
+    `col_block` columns its segment ids may reach (`segment_ranges`; first > last: none). Flat,
+    as SMEM pads the minor dimension of 2-D arrays."""
+    ranges = segment_ranges(row_ids, col_ids, row_block)
+    return jnp.stack([ranges[..., 0] // col_block, (ranges[..., 1] - 1) // col_block], axis=-1).reshape(-1)
+
+
 def _optional_inputs(L: _Layout, spec: AttentionSpec, bias, mask, qseg, kvseg, seed):
     extra = []
     if bias is not None:
@@ -538,6 +591,8 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     L = _layout(q, k, v, bias, mask, q_segment_ids, backward=False)
     args = [_heads_major(q, L.Tp, L.dtype), _heads_major(k, L.Sp, L.dtype), _heads_major(v, L.Sp, L.dtype)]
     args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
+    if L.segments:
+        args.insert(0, _segment_reach(q_segment_ids, kv_segment_ids, L.bq, L.bk))
     out_dtype = jnp.dtype(L.dtype if q.dtype == jnp.float16 else q.dtype)
     call = _fwd_call(L, spec, out_dtype, interpret_enabled(), _nbytes(*args) + L.B * L.N * L.T * L.Hv * out_dtype.itemsize)
     out, lse = call(*args)
@@ -556,8 +611,12 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
     interpret = interpret_enabled()
     nbytes = _nbytes(*args)
-    dk, dv, *dz = _dkv_call(L, spec, interpret, nbytes)(*args)
-    dq = _dq_call(L, spec, interpret, nbytes)(*args)
+    dkv_args, dq_args = args, args
+    if L.segments:  # the dkv grid streams query blocks per key block, the dq grid the reverse
+        dkv_args = [_segment_reach(kv_segment_ids, q_segment_ids, L.bk, L.bq), *args]
+        dq_args = [_segment_reach(q_segment_ids, kv_segment_ids, L.bq, L.bk), *args]
+    dk, dv, *dz = _dkv_call(L, spec, interpret, nbytes)(*dkv_args)
+    dq = _dq_call(L, spec, interpret, nbytes)(*dq_args)
     unpad = lambda a, n: jnp.swapaxes(a[:, :, :n], 1, 2)  # noqa: E731
     dbias = None
     if bias is not None:
