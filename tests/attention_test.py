@@ -265,6 +265,26 @@ def test_pallas_gpu_persistent_balance(ctas):
         assert np.all(np.diff(ids[c, :n]) > 0)
 
 
+# pallas_tpu runs tiles that every (t, s) passes without the position/tail/segment masks. In the
+# interpreter (64 x 128 blocks) these bands and documents span several blocks, so each case has
+# full tiles, partial tiles at the band's or documents' edges and skipped tiles; f32, so a tile
+# classed full that is not shows up well above the tolerance.
+TPU_TILE_CASES = {
+    "window_causal": (640, 640, dict(causal=True, window=(300, 0))),
+    "window_both_sides_T<S": (384, 512, dict(window=(200, 150))),
+    "window_left_only_unaligned": (300, 400, dict(window=(150, None))),
+    "packed_causal": (512, 512, dict(causal=True, segment_ids=(_documents(1, 512, 200, 3),) * 2)),
+    "packed_T<S_unaligned": (256, 390, dict(segment_ids=(_documents(1, 256, 100, 4), _documents(1, 390, 150, 4)))),
+}
+
+
+@pytest.mark.skipif("pallas_tpu" not in BACKENDS, reason="pallas_tpu runs on CPU in its interpreter")
+@pytest.mark.parametrize("case", TPU_TILE_CASES)
+def test_pallas_tpu_full_and_partial_tiles(case):
+    T, S, kwargs = TPU_TILE_CASES[case]
+    _check("pallas_tpu", _qkv(1, T, S, 2, 1, 64, jnp.float32, seed=T + S), kwargs)
+
+
 @pytest.mark.parametrize("Hv", [32, 128])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_value_head_dim_may_differ(backend, Hv):

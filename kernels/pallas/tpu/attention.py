@@ -44,9 +44,11 @@ Kernels:
 Blocks with no allowed (t, s) under causal/window are skipped with pl.when, and their index
 maps are clamped into the live range so the skipped steps fetch nothing new. Segment ids narrow
 that range too (splash-style, for packed sequences): XLA computes per block the first and last
-block of the streamed axis its ids may reach (`segment_ranges`, 8 bytes per batch row and
-block), scalar-prefetched into SMEM, where both the index maps and the kernel bodies read it; a
-block-diagonal packing then visits only the blocks near its diagonal. Dropout recomputes the
+block of the streamed axis its ids may reach and the first and last that share its one id
+throughout (`_segment_reach`: 16 bytes per batch row and block), scalar-prefetched into SMEM, where both the index maps and the kernel bodies read it; a
+block-diagonal packing then visits only the blocks near its diagonal. Tiles that every (t, s)
+passes (inside the causal/window band, no padded key, one segment shared by all their rows and
+columns) run a body without those masks (`_tile`, `_on_live_tiles`). Dropout recomputes the
 contract's hash (`dropout_keep`, uint32) inside the kernel from the global (b, n, t, s); the
 seed travels in SMEM.
 
@@ -183,15 +185,51 @@ def _live(L: _Layout, spec: AttentionSpec, i, j):
     return live
 
 
+def _full(L: _Layout, spec: AttentionSpec, i, j):
+    """Whether every (t, s) of query block i and key block j is position-allowed and a real key
+    (s < S): such a tile needs no position or tail mask (True if always)."""
+    full = True
+    shift = L.S - L.T
+    if spec.right is not None:  # its last key vs its first query
+        full = jnp.logical_and(full, (j + 1) * L.bk - 1 <= i * L.bq + shift + spec.right)
+    if spec.window_left is not None:  # its first key vs its last query
+        full = jnp.logical_and(full, j * L.bk >= (i + 1) * L.bq - 1 + shift - spec.window_left)
+    if L.Sp != L.S:
+        full = jnp.logical_and(full, j < L.nk - 1)
+    return full
+
+
 def _reach(reach_ref, b, row, rows: int):
-    """(first, last) streamed block that the segment ids of block `row` of batch b may reach."""
-    at = 2 * (b * rows + row)
-    return reach_ref[at], reach_ref[at + 1]
+    """(first, last, first full, last full) streamed block of block `row` of batch b
+    (`_segment_reach`)."""
+    at = 4 * (b * rows + row)
+    return tuple(reach_ref[at + c] for c in range(4))
 
 
-def _within(bounds, x):
-    lo, hi = bounds
+def _within(x, lo, hi):
     return jnp.logical_and(x >= lo, x <= hi)
+
+
+def _tile(L: _Layout, spec: AttentionSpec, reach_ref, b, i, j, *, rows_are_keys: bool):
+    """(live, full) of the tile (query block i, key block j): live = some (t, s) allowed by position
+    and segment ids, full = every (t, s) allowed and s < S, so `_scores` may skip those masks.
+    The reach table is per query block (forward, dq) or per key block (dkv: rows_are_keys)."""
+    live, full = _live(L, spec, i, j), _full(L, spec, i, j)
+    if reach_ref is not None:
+        row, streamed, rows = (j, i, L.nk) if rows_are_keys else (i, j, L.nq)
+        lo, hi, full_lo, full_hi = _reach(reach_ref, b, row, rows)
+        live = jnp.logical_and(live, _within(streamed, lo, hi))
+        full = jnp.logical_and(full, _within(streamed, full_lo, full_hi))
+    return live, full
+
+
+def _on_live_tiles(live, full, step):
+    """Runs step(masked) where live: unmasked on full tiles, masked on the others."""
+    if full is True:  # no position mask, no key tail, no segments
+        pl.when(live)(lambda: step(False))
+        return
+    pl.when(jnp.logical_and(live, full))(lambda: step(False))
+    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
 
 
 def _split_reach(L: _Layout, refs):
@@ -199,8 +237,9 @@ def _split_reach(L: _Layout, refs):
     return (refs[0], refs[1:]) if L.segments else (None, refs)
 
 
-def _scores(L: _Layout, spec: AttentionSpec, q, k, opt, b, n, i, j):
-    """(z masked with -inf, tanh of the soft cap or None, dropout keep or None) for one (bq, bk) tile."""
+def _scores(L: _Layout, spec: AttentionSpec, q, k, opt, b, n, i, j, masked: bool):
+    """(z masked with -inf, tanh of the soft cap or None, dropout keep or None) for one (bq, bk)
+    tile; `masked` False skips the position, key-tail and segment masks (a full tile, `_tile`)."""
     z = _dot(q, k, _NT) * spec.scale
     th = None
     if spec.logit_soft_cap is not None:
@@ -213,13 +252,14 @@ def _scores(L: _Layout, spec: AttentionSpec, q, k, opt, b, n, i, j):
     t = i * L.bq + lax.broadcasted_iota(jnp.int32, (L.bq, 1), 0)
     s = j * L.bk + lax.broadcasted_iota(jnp.int32, (1, L.bk), 1)
     allowed = []
-    if L.Sp != L.S:
-        allowed.append(s < L.S)
-    positions = allowed_positions(spec, t, s, L.T, L.S)
-    if positions is not None:
-        allowed.append(positions)
-    if L.segments:
-        allowed.append(opt.qseg[...] == opt.kvseg[...])  # (bq, 1) == (1, bk)
+    if masked:
+        if L.Sp != L.S:
+            allowed.append(s < L.S)
+        positions = allowed_positions(spec, t, s, L.T, L.S)
+        if positions is not None:
+            allowed.append(positions)
+        if L.segments:
+            allowed.append(opt.qseg[...] == opt.kvseg[...])  # (bq, 1) == (1, bk)
     if opt.mask is not None:
         allowed.append(opt.mask[...] != 0)
     if allowed:
@@ -266,9 +306,6 @@ def _fwd_kernel(*refs, L: _Layout, spec: AttentionSpec):
     reach_ref, (q_ref, k_ref, v_ref, *refs) = _split_reach(L, refs)
     opt, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _take_optional(L, spec, refs)
     b, n, i, j = (pl.program_id(a) for a in range(4))
-    live = _live(L, spec, i, j)
-    if reach_ref is not None:
-        live = jnp.logical_and(live, _within(_reach(reach_ref, b, i, L.nq), j))
 
     @pl.when(j == 0)
     def _init():
@@ -276,9 +313,8 @@ def _fwd_kernel(*refs, L: _Layout, spec: AttentionSpec):
         l_sc[...] = jnp.zeros(l_sc.shape, _F32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
 
-    @pl.when(live)
-    def _step():
-        z, _, keep = _scores(L, spec, q_ref[...], k_ref[...], opt, b, n, i, j)
+    def step(masked):
+        z, _, keep = _scores(L, spec, q_ref[...], k_ref[...], opt, b, n, i, j, masked)
         m_old = m_sc[...]
         m_new = jnp.maximum(m_old, jnp.max(z, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all-masked row so far: exp(-inf) = 0
@@ -289,6 +325,8 @@ def _fwd_kernel(*refs, L: _Layout, spec: AttentionSpec):
         v = v_ref[...]
         acc_sc[...] = alpha * acc_sc[...] + _dot(_dropped(p, keep, spec).astype(v.dtype), v, _NN)
 
+    _on_live_tiles(*_tile(L, spec, reach_ref, b, i, j, rows_are_keys=False), step)
+
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
         l = l_sc[...]
@@ -298,9 +336,9 @@ def _fwd_kernel(*refs, L: _Layout, spec: AttentionSpec):
         lse_ref[...] = jnp.where(nonempty, m_sc[...] + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
 
 
-def _grad_tile(L, spec, q, k, v, do, lse, delta, opt, b, n, i, j):
+def _grad_tile(L, spec, q, k, v, do, lse, delta, opt, b, n, i, j, masked):
     """(pd, dz before the soft-cap factor, dz after it) of one tile, all f32."""
-    z, th, keep = _scores(L, spec, q, k, opt, b, n, i, j)
+    z, th, keep = _scores(L, spec, q, k, opt, b, n, i, j, masked)
     p = jnp.exp(z - lse)  # lse is +inf on empty and padded rows: p = 0
     dp = _dropped(_dot(do, v, _NT), keep, spec)
     dz = p * (dp - delta)
@@ -324,18 +362,18 @@ def _dkv_kernel(*refs, L: _Layout, spec: AttentionSpec):
         dk_sc[...] = jnp.zeros(dk_sc.shape, _F32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, _F32)
 
-    live = _live(L, spec, i, j)
-    if reach_ref is not None:
-        live = jnp.logical_and(live, _within(_reach(reach_ref, b, j, L.nk), i))
+    live, full = _tile(L, spec, reach_ref, b, i, j, rows_are_keys=True)
 
-    @pl.when(live)
-    def _step():
+    def step(masked):
         q, do = q_ref[...], do_ref[...]
-        pd, dz, dz_capped = _grad_tile(L, spec, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], opt, b, n, i, j)
+        pd, dz, dz_capped = _grad_tile(
+            L, spec, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], opt, b, n, i, j, masked)
         dv_sc[...] += _dot(pd.T.astype(do.dtype), do, _NN)
         dk_sc[...] += spec.scale * _dot(dz_capped.T.astype(q.dtype), q, _NN)
         if dz_ref is not None:
             dz_ref[...] = dz
+
+    _on_live_tiles(live, full, step)
 
     if dz_ref is not None:
         @pl.when(jnp.logical_not(live))
@@ -352,19 +390,18 @@ def _dq_kernel(*refs, L: _Layout, spec: AttentionSpec):
     reach_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs) = _split_reach(L, refs)
     opt, (dq_ref, dq_sc) = _take_optional(L, spec, refs)
     b, n, i, j = (pl.program_id(a) for a in range(4))
-    live = _live(L, spec, i, j)
-    if reach_ref is not None:
-        live = jnp.logical_and(live, _within(_reach(reach_ref, b, i, L.nq), j))
 
     @pl.when(j == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, _F32)
 
-    @pl.when(live)
-    def _step():
+    def step(masked):
         k = k_ref[...]
-        _, _, dz_capped = _grad_tile(L, spec, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], opt, b, n, i, j)
+        _, _, dz_capped = _grad_tile(
+            L, spec, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], opt, b, n, i, j, masked)
         dq_sc[...] += spec.scale * _dot(dz_capped.astype(k.dtype), k, _NN)
+
+    _on_live_tiles(*_tile(L, spec, reach_ref, b, i, j, rows_are_keys=False), step)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -405,7 +442,8 @@ def _narrowed(bounds, reach):
     """Position bounds (lo, hi) intersected with the segment reach (`_reach`) when there is one."""
     if reach is None:
         return bounds
-    return jnp.maximum(bounds[0], reach[0]), jnp.minimum(bounds[1], reach[1])
+    lo, hi, _, _ = reach
+    return jnp.maximum(bounds[0], lo), jnp.minimum(bounds[1], hi)
 
 
 def _fwd_grid_ids(L: _Layout, spec: AttentionSpec):
@@ -566,11 +604,15 @@ def _rows(a, L: _Layout, value=0.0):
 
 
 def _segment_reach(row_ids, col_ids, row_block: int, col_block: int):
-    """[B * row blocks * 2] int32: per block of `row_block` rows, the first and last block of
-    `col_block` columns its segment ids may reach (`segment_ranges`; first > last: none). Flat,
-    as SMEM pads the minor dimension of 2-D arrays."""
-    ranges = segment_ranges(row_ids, col_ids, row_block)
-    return jnp.stack([ranges[..., 0] // col_block, (ranges[..., 1] - 1) // col_block], axis=-1).reshape(-1)
+    """[B * row blocks * 4] int32: per block of `row_block` rows, the first and last block of
+    `col_block` columns its segment ids may reach (`segment_ranges` [lo, hi); first > last: none),
+    then the first and last block whose columns all share the one id of every row (the block's
+    ids uniform: blocks inside [lo, hi); else none). Flat, as SMEM pads 2-D arrays' minor dim."""
+    lo, hi, uniform = jnp.moveaxis(segment_ranges(row_ids, col_ids, row_block), -1, 0)
+    uniform = uniform != 0
+    full_lo = jnp.where(uniform, -(-lo // col_block), 1)
+    full_hi = jnp.where(uniform, hi // col_block - 1, 0)
+    return jnp.stack([lo // col_block, (hi - 1) // col_block, full_lo, full_hi], axis=-1).reshape(-1)
 
 
 def _optional_inputs(L: _Layout, spec: AttentionSpec, bias, mask, qseg, kvseg, seed):
