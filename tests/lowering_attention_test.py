@@ -44,6 +44,8 @@ SHAPES = {
     "packed segments H64 GQA": (2, 4096, 4096, 16, 4, 64, dict(segments=True)),
     "packed segments H256": (1, 4096, 4096, 8, 8, 256, dict(causal=True, segments=True)),
     "unaligned T1000 S3000 soft cap": (2, 1000, 3000, 16, 4, 128, dict(causal=True, logit_soft_cap=50.0)),
+    # jax.vmap over a leading axis of 3 (the kernels' batching rules, scalar prefetch included).
+    "packed segments under vmap": (2, 1024, 1024, 8, 4, 128, dict(causal=True, segments=True, vmap=3)),
 }
 
 
@@ -75,7 +77,11 @@ def _lower(backend, shape, backward):
         return pull(out)
 
     args = (q, k, k) + (segments if segments[0] is not None else ())
-    return conformance.lowered_text(training if backward else forward, *args, platform=platform)
+    fn = training if backward else forward
+    if options.get("vmap"):
+        fn = jax.vmap(fn)
+        args = tuple(jax.ShapeDtypeStruct((options["vmap"], *a.shape), a.dtype) for a in args)
+    return conformance.lowered_text(fn, *args, platform=platform)
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
