@@ -429,13 +429,37 @@ def test_unsorted_segment_ids_match_reference(backend):
     _check(backend, _qkv(B, T, S, N, K, 64, jnp.bfloat16, seed=19), dict(segment_ids=(q_seg, kv_seg)))
 
 
-@pytest.mark.parametrize("bias_shape", ["full", "shared_batch", "shared_heads"])
+BIAS_SHAPES = {
+    "full": lambda B, N, T, S: (B, N, T, S),
+    "shared_batch": lambda B, N, T, S: (1, N, T, S),
+    "shared_heads": lambda B, N, T, S: (B, 1, T, S),
+    "shared": lambda B, N, T, S: (1, 1, T, S),
+}
+
+
+def _bias(shape, seed):
+    return jnp.asarray(_rng(seed).standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("bias_shape", BIAS_SHAPES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bias_and_its_gradient(backend, bias_shape):
     B, T, S, N, K = 2, 48, 72, 4, 2
-    shape = {"full": (B, N, T, S), "shared_batch": (1, N, T, S), "shared_heads": (B, 1, T, S)}[bias_shape]
-    bias = jnp.asarray(_rng(5).standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)
+    bias = _bias(BIAS_SHAPES[bias_shape](B, N, T, S), seed=5)
     _check(backend, (*_qkv(B, T, S, N, K, 64, jnp.bfloat16, seed=7), bias), dict(causal=True))
+
+
+@pytest.mark.parametrize("bias_shape", ["full", "shared_batch", "shared"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bias_gradient_with_every_other_feature(backend, bias_shape):
+    # Several query and key blocks (skipped, partial and full tiles), documents, a window, the
+    # soft cap (dbias takes dz before its factor) and dropout, under GQA.
+    B, T, S, N, K = 2, 200, 300, 4, 2
+    q_seg, kv_seg = _documents(B, T, 90, 8), _documents(B, S, 120, 9)
+    kwargs = dict(causal=True, window=(150, 0), logit_soft_cap=8.0, segment_ids=(q_seg, kv_seg),
+                  dropout_rate=0.1, dropout_key=jax.random.key(3))
+    bias = _bias(BIAS_SHAPES[bias_shape](B, N, T, S), seed=6)
+    _check(backend, (*_qkv(B, T, S, N, K, 64, jnp.bfloat16, seed=11), bias), kwargs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

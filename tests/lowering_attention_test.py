@@ -46,6 +46,9 @@ SHAPES = {
     "unaligned T1000 S3000 soft cap": (2, 1000, 3000, 16, 4, 128, dict(causal=True, logit_soft_cap=50.0)),
     # jax.vmap over a leading axis of 3 (the kernels' batching rules, scalar prefetch included).
     "packed segments under vmap": (2, 1024, 1024, 8, 4, 128, dict(causal=True, segments=True, vmap=3)),
+    # A bias of the full [B, N] extent, and one broadcast over both (pallas_tpu's dbias kernel).
+    "bias": (2, 1024, 1024, 4, 2, 128, dict(causal=True, bias=(2, 4))),
+    "broadcast bias + segments": (2, 2048, 2048, 8, 4, 128, dict(causal=True, segments=True, bias=(1, 1))),
 }
 
 
@@ -63,24 +66,25 @@ def _lower(backend, shape, backward):
     segments = (jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, S), jnp.int32))
     if not options.get("segments"):
         segments = (None, None)
+    bias = jax.ShapeDtypeStruct((*options["bias"], T, S), jnp.bfloat16) if "bias" in options else None
     impl = interface.OPS["attention"].implementation(backend)
     assert not isinstance(impl, str), impl
-    reason = impl.supports(q, k, k, None, None, *segments, None, spec=spec)
+    reason = impl.supports(q, k, k, bias, None, *segments, None, spec=spec)
     if reason is not None:
         pytest.skip(f"{backend} refuses {shape}: {reason}")
 
-    def forward(q, k, v, *segment_ids):
-        return impl.fn(q, k, v, None, None, *(segment_ids or (None, None)), None, spec=spec)[0]
+    def forward(q, k, v, bias, *segment_ids):
+        return impl.fn(q, k, v, bias, None, *(segment_ids or (None, None)), None, spec=spec)[0]
 
-    def training(q, k, v, *segment_ids):
-        out, pull = jax.vjp(lambda q, k, v: forward(q, k, v, *segment_ids), q, k, v)
+    def training(q, k, v, bias, *segment_ids):
+        out, pull = jax.vjp(lambda q, k, v, bias: forward(q, k, v, bias, *segment_ids), q, k, v, bias)
         return pull(out)
 
-    args = (q, k, k) + (segments if segments[0] is not None else ())
+    args = (q, k, k, bias) + (segments if segments[0] is not None else ())
     fn = training if backward else forward
     if options.get("vmap"):
         fn = jax.vmap(fn)
-        args = tuple(jax.ShapeDtypeStruct((options["vmap"], *a.shape), a.dtype) for a in args)
+        args = tuple(None if a is None else jax.ShapeDtypeStruct((options["vmap"], *a.shape), a.dtype) for a in args)
     return conformance.lowered_text(fn, *args, platform=platform)
 
 

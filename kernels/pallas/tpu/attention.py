@@ -37,9 +37,11 @@ Kernels:
   * `_fwd_kernel`, grid (B, N, Tp/bq, Sp/bk), key axis "arbitrary".
   * `_dkv_kernel`, grid (B, K, Sp/bk, G, Tp/bq): for a key block, loops (grid axes, both
     "arbitrary") over the G query heads of its kv head and over query blocks; dk, dv
-    accumulate in f32 scratch. With bias it also writes dz ([B, N, Tp, Sp] f32), which the
-    wrapper reduces over broadcast axes (materialises B*N*T*S floats: fine for a bias that
-    is already that size, wasteful for a broadcast one).
+    accumulate in f32 scratch. With a bias of the full [B, N, T, S] extent it also writes dz,
+    which is then dbias.
+  * `_dbias_kernel`, grid (Bb, Nb, Tp/bq, Sp/bk, B|1, N|1), for a bias broadcast over batch
+    or heads: sums dz over the broadcast axes in its output tile (recomputing the scores and
+    dO V^T), so the gradient takes the bias' size, never B*N*T*S floats.
   * `_dq_kernel`, grid (B, N, Tp/bq, Sp/bk), key axis "arbitrary".
 Blocks with no allowed (t, s) under causal/window are skipped with pl.when, and their index
 maps are clamped into the live range so the skipped steps fetch nothing new. Segment ids narrow
@@ -73,7 +75,6 @@ from forgeax.kernels.common.attention import (
     allowed_positions,
     differentiable_attention,
     dropout_keep,
-    reduce_bias_grad,
     segment_ranges,
 )
 from forgeax.kernels.pallas.interpret import without_effects
@@ -135,6 +136,12 @@ class _Layout:
     @property
     def nk(self) -> int:
         return self.Sp // self.bk
+
+    @property
+    def dz_from_dkv(self) -> bool:
+        """A bias of the full [B, N] extent takes dz from the dK/dV kernel; a broadcast one from
+        `_dbias_kernel`, which sums over the broadcast axes instead of materialising B*N*T*S."""
+        return self.bias == (self.B, self.N)
 
 
 def _bias_dtype(bias):
@@ -350,7 +357,7 @@ def _dkv_kernel(*refs, L: _Layout, spec: AttentionSpec):
     reach_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs) = _split_reach(L, refs)
     opt, rest = _take_optional(L, spec, refs)
     dk_ref, dv_ref = rest[:2]
-    dz_ref = rest[2] if L.bias is not None else None
+    dz_ref = rest[2] if L.dz_from_dkv else None
     dk_sc, dv_sc = rest[-2:]
     b, kh, j, g, i = (pl.program_id(a) for a in range(5))
     n = kh * L.G + g
@@ -384,6 +391,28 @@ def _dkv_kernel(*refs, L: _Layout, spec: AttentionSpec):
     def _finish():
         dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dbias_kernel(*refs, L: _Layout, spec: AttentionSpec):
+    """dbias of a bias broadcast over batch and/or heads. Grid (Bb, Nb, nq, nk, Rb, Rn): the last
+    two ("arbitrary") walk the broadcast batch (Rb = B when Bb = 1) and heads (Rn = N when
+    Nb = 1), and dz accumulates in the resident f32 output tile. Costs the scores and dO V^T
+    matmuls once more per (b, n) tile, but never holds more than the bias' own size."""
+    reach_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs) = _split_reach(L, refs)
+    opt, (dbias_ref,) = _take_optional(L, spec, refs)
+    gb, gn, i, j, rb, rn = (pl.program_id(a) for a in range(6))
+    b, n = gb + rb, gn + rn  # one of each pair is always 0
+
+    @pl.when(jnp.logical_and(rb == 0, rn == 0))
+    def _init():
+        dbias_ref[...] = jnp.zeros(dbias_ref.shape, _F32)
+
+    def step(masked):
+        _, dz, _ = _grad_tile(
+            L, spec, q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], opt, b, n, i, j, masked)
+        dbias_ref[...] += dz
+
+    _on_live_tiles(*_tile(L, spec, reach_ref, b, i, j, rows_are_keys=False), step)
 
 
 def _dq_kernel(*refs, L: _Layout, spec: AttentionSpec):
@@ -549,7 +578,7 @@ def _dkv_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
         jax.ShapeDtypeStruct((L.B, L.K, L.Sp, L.Hv), L.dtype),
     ]
     out_specs = [pl.BlockSpec((None, None, L.bk, L.H), kv_map), pl.BlockSpec((None, None, L.bk, L.Hv), kv_map)]
-    if L.bias is not None:  # dz, summed over the bias' broadcast axes by the wrapper
+    if L.dz_from_dkv:
         out_shape.append(jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.Sp), _F32))
         out_specs.append(pl.BlockSpec(
             (None, None, L.bq, L.bk), lambda b, kh, j, g, i, *_: (b, kh * L.G + g, i, j)))
@@ -562,6 +591,24 @@ def _dkv_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
         scratch=[pltpu.VMEM((L.bk, L.H), _F32), pltpu.VMEM((L.bk, L.Hv), _F32)],
         semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         cost=_cost(L, spec, (2, 2), nbytes),
+        interpret=interpret,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _dbias_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
+    Bb, Nb = L.bias
+    reduced = (L.B if Bb == 1 else 1, L.N if Nb == 1 else 1)
+    ids = lambda gb, gn, i, j, rb, rn, *_: (gb + rb, gn + rn, i, j)  # noqa: E731
+    return _call(
+        functools.partial(_dbias_kernel, L=L, spec=spec), L,
+        grid=(Bb, Nb, L.nq, L.nk, *reduced),
+        in_specs=_specs(L, spec, ids, grad=True),
+        out_specs=pl.BlockSpec((None, None, L.bq, L.bk), lambda gb, gn, i, j, *_: (gb, gn, i, j)),
+        out_shape=jax.ShapeDtypeStruct((Bb, Nb, L.Tp, L.Sp), _F32),
+        scratch=[],
+        semantics=("parallel",) * 4 + ("arbitrary",) * 2,
+        cost=_cost(L, spec, (1, 1), nbytes),
         interpret=interpret,
     )
 
@@ -662,7 +709,8 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     unpad = lambda a, n: jnp.swapaxes(a[:, :, :n], 1, 2)  # noqa: E731
     dbias = None
     if bias is not None:
-        dbias = reduce_bias_grad(dz[0][:, :, :L.T, :L.S], bias.shape[:2]).astype(bias.dtype)
+        dz = dz[0] if L.dz_from_dkv else _dbias_call(L, spec, interpret, nbytes)(*dq_args)
+        dbias = dz[:, :, :L.T, :L.S].astype(bias.dtype)
     return unpad(dq, L.T).astype(q.dtype), unpad(dk, L.S).astype(k.dtype), unpad(dv, L.S).astype(v.dtype), dbias
 
 
