@@ -30,8 +30,9 @@ blocks (recomputing p and dp). No atomics, deterministic. GQA: the dK/dV program
 loops over its G query heads itself (only the programs with n % G == 0 work; the others exit),
 so dk/dv are summed in f32 registers and written once in k's dtype: no G-times larger f32
 per-query-head buffers and no extra XLA reduction. With a bias, the dQ half also writes
-dz = p (dp - D) (before the soft-cap factor) as f32 [B,N,T,S], zeros on skipped blocks;
-`reduce_bias_grad` sums it over the bias's broadcast axes.
+dz = p (dp - D) (before the soft-cap factor) as f32 [B,N,T,S], zeros on skipped blocks, when
+the bias has that full extent; a bias broadcast over batch or heads gets `_dbias_kernel`, which
+sums dz over the broadcast axes in registers (recomputing the scores), never B*N*T*S floats.
 
 Head dims are padded to powers of two (>= 16) with masked loads; f32 inputs use tf32x3 dots
 (see `_dot`) so f32 results meet the f32 tolerance. Optional inputs are passed as 1-element
@@ -50,7 +51,7 @@ import triton.language as tl
 
 from forgeax.kernels.common.attention import (
     FMIX_1, FMIX_2, GOLDEN_BN, GOLDEN_S, GOLDEN_T, AttentionKernels, AttentionSpec,
-    differentiable_attention, reduce_bias_grad, segment_ranges,
+    differentiable_attention, segment_ranges,
 )
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
@@ -353,14 +354,29 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
-             T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
-             HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
-             LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
-             BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
-             HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
-             BN: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
-    """One key block's contribution to dq of a query block (and its dz tile when there is a bias)."""
+def _query_tile(Q, DO, LSE, DELTA, b, n, t, T: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
+                HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr):
+    """(q, dout, lse2, D) of queries t of head n in batch b, zeros past T (`_row_stats`)."""
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    q_base = b.to(tl.int64) * (T * N * H) + n * H
+    q = tl.load(Q + q_base + t[:, None] * (N * H) + h[None, :], mask=(t[:, None] < T) & (h[None, :] < H), other=0.0)
+    do_base = b.to(tl.int64) * (T * N * HV) + n * HV
+    do = tl.load(DO + do_base + t[:, None] * (N * HV) + hv[None, :], mask=(t[:, None] < T) & (hv[None, :] < HV), other=0.0)
+    lse2, d = _row_stats(LSE, DELTA, (b * N + n).to(tl.int64) * T + t, t, T)
+    return q, do, lse2, d
+
+
+@triton.jit
+def _dz_tile(q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG,
+             T: tl.constexpr, S: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+             HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, LEFT: tl.constexpr,
+             RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr,
+             HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr,
+             DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr, BN: tl.constexpr,
+             DOT: tl.constexpr, MASKED: tl.constexpr):
+    """(dz = p (dp - D) before the soft-cap factor, tanh of the cap, k^T) of queries t against the
+    key block at `start`."""
     s = start + tl.arange(0, BN)
     h = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
@@ -372,8 +388,23 @@ def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIA
     dp = _dot(do, vt, DOT)
     if DROP:
         dp = tl.where(_keep(h_bn, t[:, None], s[None, :], THRESH), dp * KEEP_SCALE, 0.0)
-    dz = p * (dp - d[:, None])
-    if HAS_BIAS:
+    return p * (dp - d[:, None]), th, kt
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
+             T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
+             HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+             LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
+             BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
+             HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
+             BN: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr, DZ_OUT: tl.constexpr):
+    """One key block's contribution to dq of a query block (and its dz tile with DZ_OUT)."""
+    dz, th, kt = _dz_tile(q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG,
+                          T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN, DOT, MASKED)
+    if DZ_OUT:
+        s = start + tl.arange(0, BN)
         dz_base = (b * N + n).to(tl.int64) * (T * S)
         tl.store(DZ + dz_base + t[:, None] * S + s[None, :], dz, mask=(t[:, None] < T) & (s[None, :] < S))
     if CAP > 0:
@@ -389,7 +420,7 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
                 BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr,
                 MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
                 KEEP_SCALE: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr,
-                BN2: tl.constexpr, DOT: tl.constexpr):
+                BN2: tl.constexpr, DOT: tl.constexpr, DZ_OUT: tl.constexpr):
     G: tl.constexpr = N // KH
     pid = tl.program_id(0)
     bn = tl.program_id(1)
@@ -431,12 +462,7 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
         n = n0
         m0 = (tl.num_programs(0) - 1 - pid) * BM2  # the last (heaviest) query block first
         t = m0 + tl.arange(0, BM2)
-        q_base = b.to(tl.int64) * (T * N * H) + n * H
-        q_mask = (t[:, None] < T) & (h[None, :] < H)
-        q = tl.load(Q + q_base + t[:, None] * (N * H) + h[None, :], mask=q_mask, other=0.0)
-        do_base = b.to(tl.int64) * (T * N * HV) + n * HV
-        do = tl.load(DO + do_base + t[:, None] * (N * HV) + hv[None, :], mask=(t[:, None] < T) & (hv[None, :] < HV), other=0.0)
-        lse2, d = _row_stats(LSE, DELTA, bn.to(tl.int64) * T + t, t, T)
+        q, do, lse2, d = _query_tile(Q, DO, LSE, DELTA, b, n, t, T, N, H, HV, HP, HVP)
         h_bn = 0
         if DROP:
             h_bn = _head_hash(SEED, b, n, N)
@@ -447,17 +473,18 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
         for start in range(lo, a, BN2):
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
-                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, True)
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, True, DZ_OUT)
         for start in range(a, c, BN2):
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
-                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, False)
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, False, DZ_OUT)
         for start in range(c, hi, BN2):
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
-                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, True)
-        tl.store(DQ + q_base + t[:, None] * (N * H) + h[None, :], (dq * SCALE).to(DQ.dtype.element_ty), mask=q_mask)
-        if HAS_BIAS:  # dz is 0 on the key blocks the bounds skipped
+                          MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, True, DZ_OUT)
+        dq_offsets = b.to(tl.int64) * (T * N * H) + n * H + t[:, None] * (N * H) + h[None, :]
+        tl.store(DQ + dq_offsets, (dq * SCALE).to(DQ.dtype.element_ty), mask=(t[:, None] < T) & (h[None, :] < H))
+        if DZ_OUT:  # dz is 0 on the key blocks the bounds skipped
             dz_base = bn.to(tl.int64) * (T * S)
             zeros = tl.zeros([BM2, BN2], dtype=tl.float32)
             for start in range(0, lo, BN2):
@@ -467,6 +494,55 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
                 s = start + tl.arange(0, BN2)
                 tl.store(DZ + dz_base + t[:, None] * S + s[None, :], zeros,
                          mask=(t[:, None] < T) & (s[None, :] < S) & (s[None, :] >= 0))
+
+
+@triton.jit
+def _dbias_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, DO, LSE, DELTA, DBIAS,
+                  B: tl.constexpr, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr,
+                  H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
+                  CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr,
+                  MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
+                  KEEP_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
+                  BIAS_B: tl.constexpr, BIAS_N: tl.constexpr):
+    """dbias [BIAS_B, BIAS_N, T, S] of a bias broadcast over batch (BIAS_B = 1) and/or heads
+    (BIAS_N = 1). One program per (query block, bias batch-head) walks the key blocks; each
+    block's dz is summed over the broadcast (b, n) in registers and stored once (zeros where the
+    position bounds or segment ids leave nothing). It recomputes the scores and dO V^T per
+    (b, n): extra matmuls, in exchange for memory of the bias' size, not B*N*T*S floats."""
+    G: tl.constexpr = N // KH
+    RB: tl.constexpr = B if BIAS_B == 1 else 1
+    RN: tl.constexpr = N if BIAS_N == 1 else 1
+    gbn = tl.program_id(1)
+    gb = gbn // BIAS_N
+    gn = gbn % BIAS_N
+    m0 = tl.program_id(0) * BM
+    t = m0 + tl.arange(0, BM)
+    lo, a, c, hi = _key_blocks(m0, BM, BN, T, S, LEFT, RIGHT)  # every tile is masked here: a, c unused
+    for start in range(0, S, BN):
+        dbias = tl.zeros([BM, BN], dtype=tl.float32)
+        for r in range(RB * RN):
+            b = gb + r // RN
+            n = gn + r % RN
+            live = (start >= lo) & (start < hi)
+            if HAS_SEG:  # the keys this query block's ids may reach in batch b (`segment_ranges`)
+                reach = QRANGE + (b * tl.cdiv(T, BM) + m0 // BM) * 3
+                live = live & (start + BN > tl.load(reach)) & (start < tl.load(reach + 1))
+            if live:
+                q, do, lse2, d = _query_tile(Q, DO, LSE, DELTA, b, n, t, T, N, H, HV, HP, HVP)
+                h_bn = 0
+                if DROP:
+                    h_bn = _head_hash(SEED, b, n, N)
+                k_base = b.to(tl.int64) * (S * KH * H) + (n // G) * H
+                v_base = b.to(tl.int64) * (S * KH * HV) + (n // G) * HV
+                dz, th, kt = _dz_tile(q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
+                                    KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
+                                    BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN,
+                                    DOT, True)  # th, kt: only dQ needs them
+                dbias += dz
+        s = start + tl.arange(0, BN)
+        tl.store(DBIAS + gbn.to(tl.int64) * (T * S) + t[:, None] * S + s[None, :], dbias,
+                 mask=(t[:, None] < T) & (s[None, :] < S))
 
 
 # ----------------------------------------------------------------------------- configs and launch
@@ -590,7 +666,9 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
         grid=(triton.cdiv(T, delta_bm), B * N), num_warps=4, num_stages=1,
         T=T, N=N, HV=HV, HVP=statics["HVP"], BM=delta_bm,
     )
-    dz_shape = (B, N, T, S) if bias is not None else (1,)
+    # A bias of the full [B, N] extent takes dz from the dQ programs; a broadcast one its own kernel.
+    dz_out = bias is not None and tuple(bias.shape[:2]) == (B, N)
+    dz_shape = (B, N, T, S) if dz_out else (1,)
     dq, dk, dv, dz = triton_call(
         q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
                                    query_block=cfg.block_m2, key_block=cfg.block_n1),
@@ -600,9 +678,20 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
                    jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dz_shape, jnp.float32)),
         grid=(triton.cdiv(S, cfg.block_n1) + triton.cdiv(T, cfg.block_m2), B * N),
         num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-        BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, **statics,
+        BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, DZ_OUT=dz_out, **statics,
     )
-    dbias = None if bias is None else reduce_bias_grad(dz, bias.shape)
+    dbias = dz if dz_out else None
+    if bias is not None and not dz_out:
+        Bb, Nb = bias.shape[:2]
+        dbias = triton_call(
+            q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
+                                       query_block=cfg.block_m2),
+            dout.astype(q.dtype), lse, delta,
+            kernel=_dbias_kernel, out_shape=jax.ShapeDtypeStruct((Bb, Nb, T, S), jnp.float32),
+            grid=(triton.cdiv(T, cfg.block_m2), Bb * Nb),
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            B=B, BM=cfg.block_m2, BN=cfg.block_n2, BIAS_B=Bb, BIAS_N=Nb, **statics,
+        )
     return dq, dk, dv, dbias
 
 
