@@ -270,7 +270,7 @@ def test_pallas_gpu_persistent_balance(ctas):
 # full tiles, partial tiles at the band's or documents' edges and skipped tiles; f32, so a tile
 # classed full that is not shows up well above the tolerance.
 TPU_TILE_CASES = {
-    "window_causal": (640, 640, dict(causal=True, window=(300, 0))),
+    "window_causal": (512, 512, dict(causal=True, window=(300, 0))),
     "window_both_sides_T<S": (384, 512, dict(window=(200, 150))),
     "window_left_only_unaligned": (300, 400, dict(window=(150, None))),
     "packed_causal": (512, 512, dict(causal=True, segment_ids=(_documents(1, 512, 200, 3),) * 2)),
@@ -449,13 +449,14 @@ def test_bias_and_its_gradient(backend, bias_shape):
     _check(backend, (*_qkv(B, T, S, N, K, 64, jnp.bfloat16, seed=7), bias), dict(causal=True))
 
 
-@pytest.mark.parametrize("bias_shape", ["full", "shared_batch", "shared"])
+@pytest.mark.parametrize("bias_shape", ["full", "shared"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bias_gradient_with_every_other_feature(backend, bias_shape):
     # Several query and key blocks (skipped, partial and full tiles), documents, a window, the
-    # soft cap (dbias takes dz before its factor) and dropout, under GQA.
-    B, T, S, N, K = 2, 200, 300, 4, 2
-    q_seg, kv_seg = _documents(B, T, 90, 8), _documents(B, S, 120, 9)
+    # soft cap (dbias takes dz before its factor) and dropout, under GQA; "shared" sums over
+    # both batch and heads. Small: the interpreters pay per grid step.
+    B, T, S, N, K = 2, 160, 260, 2, 1
+    q_seg, kv_seg = _documents(B, T, 70, 8), _documents(B, S, 110, 9)
     kwargs = dict(causal=True, window=(150, 0), logit_soft_cap=8.0, segment_ids=(q_seg, kv_seg),
                   dropout_rate=0.1, dropout_key=jax.random.key(3))
     bias = _bias(BIAS_SHAPES[bias_shape](B, N, T, S), seed=6)
