@@ -55,7 +55,7 @@ from forgeax.kernels.common.attention import (
 )
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.ops.interface import Implementation, current_device_kind, interpret_enabled
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
@@ -570,12 +570,17 @@ class AttentionConfig:
 # measurements of notes/TRITON_JAX.md, then forward key blocks of 64 instead of 128, measured
 # faster side by side on an H200 (benchmarks/tune_attention.py, causal B4 T4096 N32 H128, two
 # runs: fwd 1.368 / 1.373 against 1.411 / 1.426 ms, fwd+bwd 5.079 / 5.056 against 5.140 / 5.131;
-# benchmarks/results/attention_H200_triton_forward_block.json). The others were sized with
+# benchmarks/results/attention_H200_triton_forward_block.json). An H100 prefers 128 (same
+# benchmark, two copies of each config interleaved in one run: fwd 1.344 / 1.347 against 1.412 /
+# 1.384 ms, fwd+bwd 5.166 / 5.223 against 5.217 / 5.277;
+# benchmarks/results/attention_H100_triton_forward_block.json): `_FORWARD_KEY_BLOCK`. The others were sized with
 # ptxas -v (sm_90a) on CPU cross-lowered PTX at B4 T4096 N32 causal, not timed: 16-bit 256 uses
 # 164 KB (fwd) and 131 KB (bwd) of shared memory, no spills; f32 (tf32x3 dots) 128 spills 76 B
 # (fwd) / 152 B (bwd). f32 at 256 spilled 2-40 KB in every config tried, so `_supports` refuses it
 # on GPU.
 _CONFIG_16BIT_128 = AttentionConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
+# Forward key block of _CONFIG_16BIT_128 per device kind (prefix of jax's device_kind).
+_FORWARD_KEY_BLOCK = (("NVIDIA H100", 128),)
 _CONFIG_16BIT_256 = AttentionConfig(64, 64, 8, 2, 32, 64, 64, 32, 8, 2)
 _CONFIG_F32_128 = AttentionConfig(64, 32, 4, 2, 32, 32, 32, 32, 8, 2)
 _CONFIG_F32_256 = AttentionConfig(32, 32, 4, 2, 16, 32, 32, 16, 8, 2)  # refused on GPU (spills)
@@ -593,7 +598,11 @@ def config_for(head_dim: int, value_dim: int, dtype) -> AttentionConfig:
     width = 128 if max(_pow2(head_dim), _pow2(value_dim)) <= 128 else 256
     if jnp.dtype(dtype).itemsize == 4:
         return _CONFIG_F32_128 if width == 128 else _CONFIG_F32_256
-    return _CONFIG_16BIT_128 if width == 128 else _CONFIG_16BIT_256
+    if width == 256:
+        return _CONFIG_16BIT_256
+    kind = current_device_kind()
+    block_n = next((n for prefix, n in _FORWARD_KEY_BLOCK if kind.startswith(prefix)), _CONFIG_16BIT_128.block_n)
+    return dataclasses.replace(_CONFIG_16BIT_128, block_n=block_n)
 
 
 def _statics(q, k, v, bias, mask, qseg, spec: AttentionSpec) -> dict:
