@@ -96,3 +96,16 @@ def test_attention_lowers_to_its_kernels(backend, shape, backward):
     marker = MARKER[backend][1]
     # Forward: one kernel at least; with the backward: at least two (the backward kernels).
     assert text.count(marker) >= (2 if backward else 1), f"{backend} {shape}: {text.count(marker)} kernel calls"
+
+
+@pytest.mark.parametrize("kind,block_n", [("NVIDIA H100 80GB HBM3", 128), ("NVIDIA H200", 64)])
+def test_triton_forward_key_block_follows_the_device_kind(kind, block_n, monkeypatch):
+    """The 16-bit head_dim <= 128 forward takes its key block from the device kind (measured per
+    device, `_FORWARD_KEY_BLOCK`); each variant compiles for sm_90 at the benchmark shape."""
+    from forgeax.kernels.triton import attention as triton_attention
+
+    monkeypatch.setattr(triton_attention, "current_device_kind", lambda: kind)
+    assert triton_attention.config_for(128, 128, jnp.bfloat16).block_n == block_n
+    assert triton_attention.config_for(256, 256, jnp.bfloat16) == triton_attention._CONFIG_16BIT_256
+    text = _lower("triton", SHAPES["bench causal H128"], backward=False)
+    assert text.count(MARKER["triton"][1]) >= 1
