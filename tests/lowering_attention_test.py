@@ -67,20 +67,21 @@ def _lower(backend, shape, backward):
     if not options.get("segments"):
         segments = (None, None)
     bias = jax.ShapeDtypeStruct((*options["bias"], T, S), jnp.bfloat16) if "bias" in options else None
+    mask = jax.ShapeDtypeStruct((*options["mask"], T, S), jnp.bool_) if "mask" in options else None
     impl = interface.OPS["attention"].implementation(backend)
     assert not isinstance(impl, str), impl
-    reason = impl.supports(q, k, k, bias, None, *segments, None, spec=spec)
+    reason = impl.supports(q, k, k, bias, mask, *segments, None, spec=spec)
     if reason is not None:
         pytest.skip(f"{backend} refuses {shape}: {reason}")
 
-    def forward(q, k, v, bias, *segment_ids):
-        return impl.fn(q, k, v, bias, None, *(segment_ids or (None, None)), None, spec=spec)[0]
+    def forward(q, k, v, bias, mask, *segment_ids):
+        return impl.fn(q, k, v, bias, mask, *(segment_ids or (None, None)), None, spec=spec)[0]
 
-    def training(q, k, v, bias, *segment_ids):
-        out, pull = jax.vjp(lambda q, k, v, bias: forward(q, k, v, bias, *segment_ids), q, k, v, bias)
+    def training(q, k, v, bias, mask, *segment_ids):
+        out, pull = jax.vjp(lambda q, k, v, bias: forward(q, k, v, bias, mask, *segment_ids), q, k, v, bias)
         return pull(out)
 
-    args = (q, k, k, bias) + (segments if segments[0] is not None else ())
+    args = (q, k, k, bias, mask) + (segments if segments[0] is not None else ())
     fn = training if backward else forward
     if options.get("vmap"):
         fn = jax.vmap(fn)
@@ -98,14 +99,54 @@ def test_attention_lowers_to_its_kernels(backend, shape, backward):
     assert text.count(marker) >= (2 if backward else 1), f"{backend} {shape}: {text.count(marker)} kernel calls"
 
 
-@pytest.mark.parametrize("kind,block_n", [("NVIDIA H100 80GB HBM3", 128), ("NVIDIA H200", 64)])
-def test_triton_forward_key_block_follows_the_device_kind(kind, block_n, monkeypatch):
-    """The 16-bit head_dim <= 128 forward takes its key block from the device kind (measured per
-    device, `_FORWARD_KEY_BLOCK`); each variant compiles for sm_90 at the benchmark shape."""
+# Hopper's largest shared memory allocation per block (227 KB), what a launch is refused above.
+HOPPER_SHARED_MEMORY = 232448
+
+TILE_INPUTS = {
+    "none": dict(causal=True),
+    "bias": dict(causal=True, bias=(2, 4)),
+    "mask": dict(causal=True, mask=(2, 1)),
+    "segments + shared bias": dict(causal=True, segments=True, bias=(1, 1)),
+}
+
+
+@pytest.mark.parametrize("H", [128, 256])
+@pytest.mark.parametrize("inputs", TILE_INPUTS)
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_triton_kernels_fit_hopper_shared_memory(kind, inputs, H, monkeypatch):
+    """Every Triton kernel of a 16-bit forward+backward, with the tiles chosen for `kind`
+    (`_FORWARD_KEY_BLOCK`), asks for no more shared memory than Hopper has: the pipeline buffers
+    bias and mask tiles too, which a launch on the GPU refuses above 227 KB (an H100 run caught the
+    forward's 128-key block with a bias asking for 288 KB)."""
+    from jax_triton import triton_lib
+
     from forgeax.kernels.triton import attention as triton_attention
 
     monkeypatch.setattr(triton_attention, "current_device_kind", lambda: kind)
-    assert triton_attention.config_for(128, 128, jnp.bfloat16).block_n == block_n
-    assert triton_attention.config_for(256, 256, jnp.bfloat16) == triton_attention._CONFIG_16BIT_256
-    text = _lower("triton", SHAPES["bench causal H128"], backward=False)
-    assert text.count(MARKER["triton"][1]) >= 1
+    monkeypatch.setattr(triton_lib, "_COMPILED_KERNEL_CACHE", {})  # compile here, not from cache
+    compiled = []
+    compile_ptx = triton_lib.compile_ttir_to_ptx_inplace
+
+    def recording(*args, **kwargs):
+        result = compile_ptx(*args, **kwargs)
+        compiled.append((result.name, result.shared_mem_bytes))
+        return result
+
+    monkeypatch.setattr(triton_lib, "compile_ttir_to_ptx_inplace", recording)
+    _lower("triton", (2, 512, 512, 4, 2, H, TILE_INPUTS[inputs]), backward=True)
+    names = {name for name, _ in compiled}
+    assert {"_fwd_kernel", "_bwd_kernel"} <= names, compiled
+    too_big = [(name, size) for name, size in compiled if size > HOPPER_SHARED_MEMORY]
+    assert not too_big, f"{kind} {inputs} H{H}: {too_big} bytes of shared memory > {HOPPER_SHARED_MEMORY}"
+
+
+def test_triton_forward_key_block_follows_the_device_kind(monkeypatch):
+    """The 16-bit head_dim <= 128 forward takes its key block from the device kind (measured per
+    device), except when it streams bias or mask tiles (shared memory, see above)."""
+    from forgeax.kernels.triton import attention as triton_attention
+
+    for kind, block_n in (("NVIDIA H100 80GB HBM3", 128), ("NVIDIA H200", 64)):
+        monkeypatch.setattr(triton_attention, "current_device_kind", lambda kind=kind: kind)
+        assert triton_attention.config_for(128, 128, jnp.bfloat16).block_n == block_n
+        assert triton_attention.config_for(64, 64, jnp.bfloat16, streams_scores_tiles=True).block_n == 64
+        assert triton_attention.config_for(256, 256, jnp.bfloat16) == triton_attention._CONFIG_16BIT_256

@@ -592,7 +592,10 @@ def _pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
 
-def config_for(head_dim: int, value_dim: int, dtype) -> AttentionConfig:
+def config_for(head_dim: int, value_dim: int, dtype, *, streams_scores_tiles: bool = False) -> AttentionConfig:
+    """`streams_scores_tiles`: the forward loads a [block_m, block_n] tile of a bias or mask per
+    step. The pipeline buffers those too, so the device's larger key block is not taken then: at
+    head_dim 128 with a bias it would ask for 288 KB of shared memory (Hopper has 227 KB)."""
     if interpret_enabled():
         return _INTERPRET_CONFIG
     width = 128 if max(_pow2(head_dim), _pow2(value_dim)) <= 128 else 256
@@ -600,6 +603,8 @@ def config_for(head_dim: int, value_dim: int, dtype) -> AttentionConfig:
         return _CONFIG_F32_128 if width == 128 else _CONFIG_F32_256
     if width == 256:
         return _CONFIG_16BIT_256
+    if streams_scores_tiles:
+        return _CONFIG_16BIT_128
     kind = current_device_kind()
     block_n = next((n for prefix, n in _FORWARD_KEY_BLOCK if kind.startswith(prefix)), _CONFIG_16BIT_128.block_n)
     return dataclasses.replace(_CONFIG_16BIT_128, block_n=block_n)
@@ -650,7 +655,7 @@ def _optional_inputs(bias, mask, qseg, kvseg, seed, *, query_block: int, key_blo
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
     B, T, N, _ = q.shape
     HV = v.shape[3]
-    cfg = config_for(q.shape[3], HV, q.dtype)
+    cfg = config_for(q.shape[3], HV, q.dtype, streams_scores_tiles=bias is not None or mask is not None)
     statics = _statics(q, k, v, bias, mask, q_segment_ids, spec)
     out, lse = triton_call(
         q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, query_block=cfg.block_m),
