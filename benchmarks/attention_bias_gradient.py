@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 from bench import interleaved, temp_bytes  # noqa: E402
+from tune_attention import random_inputs  # noqa: E402  (this directory is on sys.path as a script)
 
 from forgeax import ops  # noqa: E402
 
@@ -50,17 +51,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
-    B, T, N, K, H = (int(d) for d in args.shape.split(","))
-    keys = jax.random.split(jax.random.key(0), 5)
-    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
-    dout = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+    B, T, N, _, _ = (int(d) for d in args.shape.split(","))
+    q, k, v, dout = random_inputs(args.shape)
+    bias_key = jax.random.key(1)
 
     candidates, memory = {}, {}
     for backend in args.backend or ["triton"]:
         for name, shape_of in BIAS_SHAPES.items():
-            bias = None if shape_of is None else jax.random.normal(keys[4], shape_of(B, N, T), jnp.bfloat16)
+            bias = None if shape_of is None else jax.random.normal(bias_key, shape_of(B, N, T), jnp.bfloat16)
             fn = _training_step(backend, bias is not None)
             call_args = (q, k, v, bias, dout)
             jax.block_until_ready(fn(*call_args))  # compile; a refusal surfaces here
