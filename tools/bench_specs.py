@@ -200,6 +200,11 @@ def _attention_spec() -> Spec:
         # Unaligned length (not a multiple of 128) with a soft cap: cuDNN cannot; pallas_gpu pads.
         Shape("soft cap 50 causal B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("logit_soft_cap", 50.0))),
+        # Not causal, so pallas_gpu masks its padded keys (`_Band.cols`); and the plain causal call
+        # at that length, which cuDNN takes.
+        Shape("soft cap 50 full B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
+              options=(("logit_soft_cap", 50.0),)),
+        Shape("causal B4 T4000 N32 H128", (4, 4000, 32, 32, 128), "bfloat16", options=(("causal", True),)),
         Shape("small causal f32", (1, 256, 4, 2, 64), "float32", small=True, options=(("causal", True),)),
     )
 

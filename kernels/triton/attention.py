@@ -506,28 +506,32 @@ def _dbias_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, DO, LSE, DELTA
                   KEEP_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                   BIAS_B: tl.constexpr, BIAS_N: tl.constexpr):
     """dbias [BIAS_B, BIAS_N, T, S] of a bias broadcast over batch (BIAS_B = 1) and/or heads
-    (BIAS_N = 1). One program per (query block, bias batch-head) walks the key blocks; each
-    block's dz is summed over the broadcast (b, n) in registers and stored once (zeros where the
-    position bounds or segment ids leave nothing). It recomputes the scores and dO V^T per
-    (b, n): extra matmuls, in exchange for memory of the bias' size, not B*N*T*S floats."""
+    (BIAS_N = 1). One program per (query block, key block, bias batch-head): the tile's dz is
+    summed over the broadcast (b, n) in registers and stored once (zeros where the position
+    bounds or segment ids leave nothing). It recomputes the scores and dO V^T per (b, n): extra
+    matmuls, in exchange for memory of the bias' size, not B*N*T*S floats. One program per tile,
+    not per query block looping over the key blocks: a bias shared by every (b, n) would
+    otherwise give only T / BM programs, each summing B*N heads for a whole row of tiles."""
     G: tl.constexpr = N // KH
     RB: tl.constexpr = B if BIAS_B == 1 else 1
     RN: tl.constexpr = N if BIAS_N == 1 else 1
-    gbn = tl.program_id(1)
+    gbn = tl.program_id(2)
     gb = gbn // BIAS_N
     gn = gbn % BIAS_N
     m0 = tl.program_id(0) * BM
+    start = tl.program_id(1) * BN
     t = m0 + tl.arange(0, BM)
+    s = start + tl.arange(0, BN)
     lo, a, c, hi = _key_blocks(m0, BM, BN, T, S, LEFT, RIGHT)  # every tile is masked here: a, c unused
-    for start in range(0, S, BN):
-        dbias = tl.zeros([BM, BN], dtype=tl.float32)
+    dbias = tl.zeros([BM, BN], dtype=tl.float32)
+    if (start >= lo) & (start < hi):
         for r in range(RB * RN):
             b = gb + r // RN
             n = gn + r % RN
-            live = (start >= lo) & (start < hi)
+            live = True
             if HAS_SEG:  # the keys this query block's ids may reach in batch b (`segment_ranges`)
                 reach = QRANGE + (b * tl.cdiv(T, BM) + m0 // BM) * 3
-                live = live & (start + BN > tl.load(reach)) & (start < tl.load(reach + 1))
+                live = (start + BN > tl.load(reach)) & (start < tl.load(reach + 1))
             if live:
                 q, do, lse2, d = _query_tile(Q, DO, LSE, DELTA, b, n, t, T, N, H, HV, HP, HVP)
                 h_bn = 0
@@ -536,13 +540,12 @@ def _dbias_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, DO, LSE, DELTA
                 k_base = b.to(tl.int64) * (S * KH * H) + (n // G) * H
                 v_base = b.to(tl.int64) * (S * KH * HV) + (n // G) * HV
                 dz, th, kt = _dz_tile(q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
-                                    KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
-                                    BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN,
-                                    DOT, True)  # th, kt: only dQ needs them
+                                      KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
+                                      BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN,
+                                      DOT, True)  # th, kt: only dQ needs them
                 dbias += dz
-        s = start + tl.arange(0, BN)
-        tl.store(DBIAS + gbn.to(tl.int64) * (T * S) + t[:, None] * S + s[None, :], dbias,
-                 mask=(t[:, None] < T) & (s[None, :] < S))
+    tl.store(DBIAS + gbn.to(tl.int64) * (T * S) + t[:, None] * S + s[None, :], dbias,
+             mask=(t[:, None] < T) & (s[None, :] < S))
 
 
 # ----------------------------------------------------------------------------- configs and launch
@@ -702,8 +705,10 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
                                        query_block=cfg.block_m2),
             dout.astype(q.dtype), lse, delta,
             kernel=_dbias_kernel, out_shape=jax.ShapeDtypeStruct((Bb, Nb, T, S), jnp.float32),
-            grid=(triton.cdiv(T, cfg.block_m2), Bb * Nb),
-            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            grid=(triton.cdiv(T, cfg.block_m2), triton.cdiv(S, cfg.block_n2), Bb * Nb),
+            # Its (b, n) loop is pipelined with a q, dO, K, V and bias tile per stage: at head_dim
+            # 128, 3 stages ask for 288 KB of shared memory (Hopper has 227 KB).
+            num_warps=cfg.bwd_warps, num_stages=min(cfg.bwd_stages, 2),
             B=B, BM=cfg.block_m2, BN=cfg.block_n2, BIAS_B=Bb, BIAS_N=Nb, **statics,
         )
     return dq, dk, dv, dbias
