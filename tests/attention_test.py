@@ -661,7 +661,9 @@ def test_training_order_rule():
         return _training_order(platform, (q, q, q), {"spec": AttentionSpec(**spec)})
 
     assert order(64, causal=True) == ("pallas_gpu",)
-    assert order(64, T=1000, causal=True) == ()  # unaligned: pallas_gpu's padded path, cuDNN first
+    assert order(64, T=1000, causal=True) == ("pallas_gpu",)  # in place (`_Tails`)
+    assert order(64, T=1001, causal=True) == ()  # copied padded: cuDNN first
+    assert order(64, T=120, causal=True) == ()
     assert order(64, platform="tpu", causal=True) == ()
     assert order(128, causal=True) == ()
     assert order(64) == ()
@@ -673,7 +675,7 @@ def test_inference_order_keeps_unaligned_lengths_on_the_priority():
     from forgeax.ops.attention import _inference_order
 
     spec = AttentionSpec(causal=True, window_left=100, window_right=0)
-    for T, want in ((256, ("pallas_gpu",)), (1000, ())):
+    for T, want in ((256, ("pallas_gpu",)), (1000, ("pallas_gpu",)), (1001, ()), (120, ())):
         q = jax.ShapeDtypeStruct((1, T, 4, 128), jnp.bfloat16)
         assert _inference_order("gpu", (q, q, q), {"spec": spec}) == want
 
