@@ -200,8 +200,8 @@ def _attention_spec() -> Spec:
         # Unaligned length (not a multiple of 128) with a soft cap: cuDNN cannot; pallas_gpu pads.
         Shape("soft cap 50 causal B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("logit_soft_cap", 50.0))),
-        # Not causal, so pallas_gpu masks its padded keys (`_Band.cols`); and the plain causal call
-        # at that length, which cuDNN takes.
+        # The same length not causal (pallas_gpu's padded keys then need masking), and the plain
+        # causal call at that length, which cuDNN takes.
         Shape("soft cap 50 full B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
               options=(("logit_soft_cap", 50.0),)),
         Shape("causal B4 T4000 N32 H128", (4, 4000, 32, 32, 128), "bfloat16", options=(("causal", True),)),
