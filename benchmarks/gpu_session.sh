@@ -8,7 +8,10 @@
 #   TEST_GROUPS  ';'-separated pytest argument lists; each group runs as its own process, all
 #                groups in parallel (kernel compilation is CPU-bound: this uses the host's cores),
 #                each JAX process limited to a slice of GPU memory. Empty: no tests.
-#   BENCH_ARGS   arguments of tools/bench.py. Empty string: no benchmark.
+#   BENCH_ARGS   arguments of tools/bench.py, shell-quoted (named shapes have spaces:
+#                BENCH_ARGS="--op attention --shape 'causal B4 T4000 N32 H128'"). Empty: none.
+#   TEST_MEM_FRACTION  GPU memory per JAX process (default 0.9 / number of groups); set it
+#                when a group runs pytest-xdist workers (-n W): about 0.9 / (groups * W).
 #   TEST_TIMEOUT / BENCH_TIMEOUT  seconds.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -29,7 +32,7 @@ i=0
 for group in "${GROUPS_[@]}"; do
   [ -z "${group// }" ] && continue
   i=$((i + 1))
-  (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $n, 3))") \
+  (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-$(python3 -c "print(round(0.9 / $n, 3))")} \
      eval timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$OUT/junit$i.xml" "$group" \
      > "$OUT/tests$i.log" 2>&1; echo "group $i exit $?" >> "$OUT/tests$i.log") &
 done
@@ -39,5 +42,5 @@ for f in "$OUT"/tests*.log; do echo "== $f"; grep -E "passed|failed|^FAILED|^ERR
 # 2. Benchmarks, side by side with XLA and the anchors, JSON to $OUT.
 BENCH=${BENCH_ARGS---op rms_norm --op layer_norm --op cross_entropy --op linear_cross_entropy}
 if [ -n "$BENCH" ]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 tools/bench.py $BENCH --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^  skip" | tail -60
+  eval timeout ${BENCH_TIMEOUT:-300} python3 tools/bench.py $BENCH --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^  skip" | tail -60
 fi

@@ -68,12 +68,14 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
 
 
 def _aligned(args) -> bool:
-    """T and S multiples of 128, pallas_gpu's tile: the measurements behind the orders above are
-    all at such lengths; other lengths take pallas_gpu's padded path (one CTA per tile, masked
-    through segment ids), which was measured slower than its aligned kernels (soft cap B4 N32
-    H128 forward: 1.560 ms at T4000 against 1.146 at T4096, results/attention_H100_unaligned_soft_cap.json),
-    so they keep cuDNN first where it computes the call."""
-    return args[0].shape[1] % 128 == 0 and args[1].shape[1] % 128 == 0
+    """T and S that pallas_gpu runs in place: at least 128 and multiples of 8 (`_Tails` in
+    kernels/pallas/gpu/attention.py). The measurements behind the orders above are at multiples of
+    128; in place, T4000 ran like T4096 (soft cap B4 N32 H128 on an H100: fwd 1.153 against 1.140
+    ms, fwd+bwd 5.19 against 5.24; causal fwd 0.975 against cuDNN's 1.071,
+    results/attention_H100_unaligned_in_place.json). Other lengths copy the arrays padded, which
+    cost about 0.35 ms per forward at that size (1.508 ms), so they keep cuDNN first where it
+    computes the call."""
+    return all(n >= 128 and n % 8 == 0 for n in (args[0].shape[1], args[1].shape[1]))
 
 
 ATTENTION = define_op(

@@ -153,6 +153,26 @@ def test_pallas_gpu_persistent(case):
     _check("pallas_gpu", _qkv(2, T, S, 16, 4, 64, jnp.bfloat16, seed=T + 5 * S), kwargs)
 
 
+# pallas_gpu runs lengths that are not multiples of 128 over whole tiles of the arrays in place:
+# TMA (and the interpreter) zero-fill the rows of a box past the array's end and drop them on
+# stores; keys past S are cut by the causal band or, without one, by a column limit (`_Tails`).
+# Both lengths here exceed one tile, so both the query and the key boxes run past the end; 140 is
+# not a multiple of 8, so those arrays are padded to 144 first.
+UNALIGNED_CASES = {
+    "full_soft_cap": (136, 200, dict(logit_soft_cap=5.0)),
+    "causal_T>S_gqa": (200, 136, dict(causal=True)),
+    "window_both_sides": (140, 140, dict(window=(40, 30))),
+    "packed": (136, 200, dict(segment_ids=(_documents(1, 136, 50, 12), _documents(1, 200, 70, 13)))),
+}
+
+
+@pytest.mark.skipif("pallas_gpu" not in BACKENDS, reason="pallas_gpu's tails")
+@pytest.mark.parametrize("case", UNALIGNED_CASES)
+def test_pallas_gpu_unaligned_lengths_past_one_tile(case):
+    T, S, kwargs = UNALIGNED_CASES[case]
+    _check("pallas_gpu", _qkv(1, T, S, 2, 1 if "gqa" in case else 2, 64, jnp.bfloat16, seed=T + 3 * S), kwargs)
+
+
 # pallas_gpu's forward runs FA3's overlapped schedule at head_dim 128 only, which the Mosaic GPU
 # interpreter cannot afford here (see test_dtypes_and_head_dims): on CPU these cases run both
 # schedules at head_dim 64 (the GPU runs the overlapped one at 128 in test_head_dim_128_multi_block).
@@ -428,8 +448,8 @@ def test_packed_segments_never_visit_blocks_between_documents(backend, causal):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_segment_ids_at_the_int32_extremes_with_unaligned_lengths(backend):
-    # pallas_gpu pads unaligned lengths with an id below the smallest query id; here that is
-    # -2^31, so it must take one above the largest instead.
+    # pallas_gpu pads unaligned lengths at the end, the padded ids copying the last one (here the
+    # int32 extremes; an earlier front padding needed an id outside the query ids' range).
     B, T, S, N, K = 1, 40, 130, 2, 1
     lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
     q_seg = jnp.asarray(np.where(np.arange(T) < 25, lo, 7)[None].astype(np.int32))
@@ -641,7 +661,9 @@ def test_training_order_rule():
         return _training_order(platform, (q, q, q), {"spec": AttentionSpec(**spec)})
 
     assert order(64, causal=True) == ("pallas_gpu",)
-    assert order(64, T=1000, causal=True) == ()  # unaligned: pallas_gpu's padded path, cuDNN first
+    assert order(64, T=1000, causal=True) == ("pallas_gpu",)  # in place (`_Tails`)
+    assert order(64, T=1001, causal=True) == ()  # copied padded: cuDNN first
+    assert order(64, T=120, causal=True) == ()
     assert order(64, platform="tpu", causal=True) == ()
     assert order(128, causal=True) == ()
     assert order(64) == ()
@@ -653,7 +675,7 @@ def test_inference_order_keeps_unaligned_lengths_on_the_priority():
     from forgeax.ops.attention import _inference_order
 
     spec = AttentionSpec(causal=True, window_left=100, window_right=0)
-    for T, want in ((256, ("pallas_gpu",)), (1000, ())):
+    for T, want in ((256, ("pallas_gpu",)), (1000, ("pallas_gpu",)), (1001, ()), (120, ())):
         q = jax.ShapeDtypeStruct((1, T, 4, 128), jnp.bfloat16)
         assert _inference_order("gpu", (q, q, q), {"spec": spec}) == want
 

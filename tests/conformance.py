@@ -34,6 +34,15 @@ import pytest
 
 from forgeax.ops import interface
 
+# XLA sizes its CPU thread pool from NPROC, else the cores. The Mosaic GPU interpreter runs a kernel
+# as an XLA host callback that starts one program per warpgroup; a warpgroup's barrier wait is a
+# callback that blocks the pool thread running it, and the kernel's own callback holds another.
+# On a 2-core machine (CI) these two took the whole pool while the warpgroup they waited for had
+# no thread left to run on: a hang (seen in a dQ + dK/dV backward under jit at T = S = 17; the
+# same kernels ran when called one by one). Set before the first use of the CPU backend
+# (`runnable_backends` below is the first in the test files); the Bazel targets set it too.
+os.environ.setdefault("NPROC", "8")
+
 # ||out - ref|| / ||ref|| allowed per dtype of the inputs (DESIGN.md, Testing).
 TOLERANCE = {
     jnp.dtype(jnp.float32): 1e-5,

@@ -6,8 +6,11 @@ load("//tools/pytest:defs.bzl", "pytest_test")
 # jax-cuda13-plugin's cuDNN traceback on machines without a GPU).
 CPU_ENV = {"JAX_PLATFORMS": "cpu"}
 
-# Every backend on CPU: Pallas interpreters, Triton's interpreter.
-INTERPRET_ENV = dict(CPU_ENV, FORGEAX_INTERPRET = "1")
+# Every backend on CPU: Pallas interpreters, Triton's interpreter. NPROC sizes XLA's CPU thread
+# pool (default: the cores): the Mosaic GPU interpreter runs each warpgroup as a program whose
+# barrier waits block a pool thread, and with the pool of a 2-core machine two blocked waits
+# starve the warpgroup they wait for (a hang, see tests/conformance.py).
+INTERPRET_ENV = dict(CPU_ENV, FORGEAX_INTERPRET = "1", NPROC = "8")
 
 # TRITON_INTERPRET must be set before `import triton`: its own process/target.
 TRITON_INTERPRET_ENV = dict(INTERPRET_ENV, TRITON_INTERPRET = "1")

@@ -4,8 +4,9 @@ Contract: kernels/common/attention.py (q [B,T,N,H], k/v [B,S,K,H], lse [B,N,T] f
 n -> kv head n // G with G = N // K, causal/window aligned so the last query sits at the last key:
 query t is at key position t + off, off = S - T). Scope: bf16/f16, H = Hv in {64, 128, 256},
 causal / window / logit soft cap / segment ids; everything else is refused by `_supports` (the op
-then falls back to Triton or XLA). Lengths that are not multiples of 128 are padded in front of
-the queries and keys, the padded keys masked through segment ids (`_tails`).
+then falls back to Triton or XLA). Lengths that are not multiples of 128 run as whole tiles over
+the arrays in place (TMA zero-fills past their end), the keys past the end cut by the band or by
+a column limit (`_Tails`).
 
 Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
   * WG 0 and WG 1 (consumers) each own 64 query rows: Q via TMA into SMEM, then per key block j
@@ -292,33 +293,46 @@ class _PingPong:
 
 @dataclasses.dataclass(frozen=True)
 class _Band:
-    """Row x (this CTA's axis) sees column y (the looped axis) iff a <= y - x <= b (None = unbounded)."""
+    """Row x (this CTA's axis) sees column y (the looped axis) iff a <= y - x <= b (None =
+    unbounded) and y < cols (None: every column exists; else the columns from cols on are padding
+    that a real row could otherwise reach, see `_Tails`)."""
 
     a: int | None
     b: int | None
+    cols: int | None = None
 
     @staticmethod
-    def forward(spec: AttentionSpec, T: int, S: int) -> "_Band":
+    def forward(spec: AttentionSpec, tails: "_Tails") -> "_Band":
+        T, S = tails.T, tails.S
         off = S - T  # rows are queries, columns keys: s - t in [off - left, off + right]
+        # The last real query reaches key S - 1 + right: padded keys only with right > 0 or none.
+        reaches_padding = tails.S_padded > S and (spec.right is None or spec.right > 0)
         return _Band(None if spec.window_left is None else off - spec.window_left,
-                     None if spec.right is None else off + spec.right)
+                     None if spec.right is None else off + spec.right,
+                     S if reaches_padding else None)
 
     @staticmethod
-    def keys_by_query(spec: AttentionSpec, T: int, S: int) -> "_Band":
-        off = S - T  # rows are keys, columns queries: t - s in [-off - right, -off + left]
+    def keys_by_query(spec: AttentionSpec, tails: "_Tails") -> "_Band":
+        # Padded queries may stay in: their dO is 0 and lse -inf, so they add exactly 0 (`_Tails`).
+        off = tails.S - tails.T  # rows are keys, columns queries: t - s in [-off - right, -off + left]
         return _Band(None if spec.right is None else -off - spec.right,
                      None if spec.window_left is None else -off + spec.window_left)
+
+    @property
+    def masks(self) -> bool:
+        return self.a is not None or self.b is not None or self.cols is not None
 
     def blocks(self, r0, rows: int, blk: int, length: int):
         """(lo, full_lo, full_hi, hi): column blocks [lo, hi) are visible to rows [r0, r0+rows);
         those in [full_lo, full_hi) are visible to every row (no mask needed)."""
-        n = length // blk
-        clip = lambda x: jnp.minimum(jnp.maximum(x, 0), length)
+        limit = length if self.cols is None else self.cols  # the columns that exist
+        clip = lambda x: jnp.minimum(jnp.maximum(x, 0), limit)
         div = lambda x: lax.div(x, _i32(blk))
         lo = _i32(0) if self.a is None else div(clip(r0 + self.a))
-        hi = _i32(n) if self.b is None else div(clip(r0 + rows + self.b) + blk - 1)
+        hi = _i32(-(-limit // blk)) if self.b is None else div(clip(r0 + rows + self.b) + blk - 1)
         hi = jnp.maximum(hi, lo)
-        full_hi = hi if self.b is None else jnp.minimum(jnp.maximum(div(clip(r0 + self.b + 1)), lo), hi)
+        full_edge = _i32(limit) if self.b is None else clip(r0 + self.b + 1)  # columns below it: every row
+        full_hi = jnp.minimum(jnp.maximum(div(full_edge), lo), hi)
         full_lo = lo if self.a is None else div(clip(r0 + rows - 1 + self.a) + blk - 1)
         full_lo = jnp.minimum(jnp.maximum(full_lo, lo), full_hi)
         return lo, full_lo, full_hi, hi
@@ -328,17 +342,19 @@ class _Band:
         x = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
         y = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
         d = (y - x) + (y0 - x0)
-        ok = None
+        rules = []
         if self.a is not None:
-            ok = d >= self.a
+            rules.append(d >= self.a)
         if self.b is not None:
-            ok = (d <= self.b) if ok is None else ok & (d <= self.b)
-        return ok
+            rules.append(d <= self.b)
+        if self.cols is not None:
+            rules.append(y < self.cols - y0)
+        return functools.reduce(jnp.logical_and, rules) if rules else None
 
 
 def _three_loops(lo, full_lo, full_hi, hi, step, carry, band: _Band, segmented: bool = False):
     """step(j, carry, masked) over [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
-    if band.a is None and band.b is None and not segmented:  # no mask at all: every block is full
+    if not band.masks and not segmented:  # no mask at all: every block is full
         return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
@@ -620,44 +636,86 @@ class _Tile:
         return self.hi - self.lo
 
 
-def _front_pad(x, n: int, value=0, axis: int = 1):
-    """x with n entries of `value` put in front of `axis`."""
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (n, 0)
-    return x if n == 0 else jnp.pad(x, widths, constant_values=value)
+_TMA_TILE_ROWS = 8
 
 
-def _tails(q, k, q_segment_ids, kv_segment_ids):
-    """Lengths that are not multiples of 128 (the kernels' tiles): (rows a, columns b) to put in
-    front of the queries and of the keys, and the segment ids of the padded call.
+@dataclasses.dataclass(frozen=True)
+class _Tails:
+    """A call's real lengths T, S, and the whole tiles (multiples of 128) the kernels run over.
 
-    Padding in FRONT keeps S - T, hence the causal/window alignment, for every real query; the
-    padded keys get an id no query has (one below the smallest query id), so no real query sees
-    them, and the padded queries get it too (their rows are computed, then dropped; in the
-    backward their dO is 0 and lse -inf, so they add nothing). With sorted ids the padded ones
-    stay sorted, so the reach of each tile stays tight (`segment_ranges`). The one layout this
-    cannot pad is query ids that include -2^31 and 2^31 - 1 both (no id is left outside them)."""
-    B, T = q.shape[:2]
-    S = k.shape[1]
-    a, b = -T % _CTA, -S % _CTA
-    if not (a or b):
-        return 0, 0, q_segment_ids, kv_segment_ids
-    if q_segment_ids is None:
-        q_segment_ids, kv_segment_ids = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
-    q_ids, kv_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
-    lo, hi = jnp.min(q_ids), jnp.max(q_ids)
-    pad = jnp.where(lo > jnp.iinfo(jnp.int32).min, lo - 1, hi + 1)
-    return a, b, _front_pad(q_ids, a, pad), _front_pad(kv_ids, b, pad)
+    Lengths that are not multiples of 128 are not copied into padded arrays: the kernels read q, k,
+    v, dO, O in place and write out, dq, dk, dv in place, and TMA fills the rows of a box past the
+    array's end with zeros on loads and drops them on stores (so does the interpreter). Those
+    arrays are padded only when shorter than one tile (a TMA box must fit in its array) or when
+    their length is not a multiple of 8 (the rows of a swizzled TMA tile: Mosaic GPU refuses
+    such an array when lowering), to the next multiple of 8; the small per-row arrays (lse,
+    delta, segment ids) are padded to whole tiles.
+
+    Real positions keep their indices, so the causal / window band is that of the real call
+    (`_Band.forward` takes S - T from the real lengths). No real query sees a key past S: the
+    band already stops at key S - 1 under causal masking (right = 0), and otherwise `_Band.cols`
+    masks the columns from S on (the last key block only). Rows past T are computed and dropped;
+    in the backward their dO is 0 and lse -inf, so they add nothing to dk, dv. Segment ids are
+    padded with their last value (the reach of each tile stays tight, `segment_ranges`)."""
+
+    T: int
+    S: int
+
+    @classmethod
+    def of(cls, q, k) -> "_Tails":
+        return cls(q.shape[1], k.shape[1])
+
+    @property
+    def T_padded(self) -> int:
+        return -(-self.T // _CTA) * _CTA
+
+    @property
+    def S_padded(self) -> int:
+        return -(-self.S // _CTA) * _CTA
+
+    @staticmethod
+    def _pad(x, n: int, axis: int, **how):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, n)
+        return x if n <= 0 else jnp.pad(x, widths, **how)
+
+    @staticmethod
+    def _tma_length(n: int) -> int:
+        return max(_CTA, -(-n // _TMA_TILE_ROWS) * _TMA_TILE_ROWS)
+
+    def tma_rows(self, x):
+        """x [B, T, ...] as the kernels read it (see above)."""
+        return self._pad(x, self._tma_length(self.T) - self.T, 1)
+
+    def tma_cols(self, x):
+        """x [B, S, ...] as the kernels read it (see above)."""
+        return self._pad(x, self._tma_length(self.S) - self.S, 1)
+
+    def row_stats(self, x, value=0.0):
+        """x [B, N, T] (f32 per-row statistics), padded to whole tiles with `value`."""
+        return self._pad(x, self.T_padded - self.T, 2, constant_values=value)
+
+    def ids(self, q_segment_ids, kv_segment_ids):
+        """Segment ids padded to whole tiles (int32), or (None, None)."""
+        if q_segment_ids is None:
+            return None, None
+        edge = lambda ids, n: self._pad(ids.astype(jnp.int32), n, 1, mode="edge")
+        return edge(q_segment_ids, self.T_padded - self.T), edge(kv_segment_ids, self.S_padded - self.S)
 
 
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
     del bias, mask, dropout_seed  # refused by _supports
-    a, b, q_ids, kv_ids = _tails(q, k, q_segment_ids, kv_segment_ids)
-    if a or b:
-        out, lse = _forward(_front_pad(q, a), _front_pad(k, b), _front_pad(v, b), None, None, q_ids, kv_ids, None, spec)
-        return out[:, a:], lse[:, :, a:]
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    tails = _Tails.of(q, k)
+    out, lse = _flash_forward(tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v),
+                              *tails.ids(q_segment_ids, kv_segment_ids), spec, tails)
+    return out[:, :tails.T], lse[:, :, :tails.T]
+
+
+def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
+    """(out [B, Tq, N, H] for q [B, Tq, N, H], lse [B, N, T] over whole tiles, `_Tails`)."""
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
     bkv = 128 if H <= 128 else 64
     item = jnp.dtype(dt).itemsize
@@ -667,7 +725,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     # it would leave fewer than 2 ring stages (H = 256) the output goes out through Q's buffer.
     separate_out = _SMEM_BUDGET - 2 * q_bytes >= 2 * per_stage
     stages = _stages(per_stage, (2 if separate_out else 1) * q_bytes)
-    band = _Band.forward(spec, T, S)
+    band = _Band.forward(spec, tails)
     interpret = interpret_enabled()
     overlap = H in _OVERLAP_HEAD_DIMS
     q_tiles = T // _CTA
@@ -753,7 +811,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
             pl.when(wg == 1)(sched.handover)  # WG 0 takes the first turn
             first_slot = lax.rem(base, _i32(stages))
             plgpu.barrier_wait(k_bar.at[first_slot])
-            first_masked = band.a is not None or band.b is not None or segmented
+            first_masked = band.masks or segmented
             col_ids = col_ids_at(first_slot, first_masked)
             sched.turn()
             s = mma(q_s, k_smem.at[first_slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
@@ -892,7 +950,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
 
     out, lse = plgpu.kernel(
         attention_fwd,
-        out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt), jax.ShapeDtypeStruct((B, N, T), _F32)),
+        out_type=(jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((B, N, T), _F32)),
         **schedule.grid,
         num_threads=_WGS + 1,
         thread_name="wg",
@@ -905,7 +963,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec):
+def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
     """(dk, dv) [B, S, K, H]: one CTA per 128 keys of one (b, kv head), dk and dv in registers.
 
     One-pass variants that also add each CTA's ds k into an f32 dq with TMA reduce-adds (5
@@ -917,15 +975,16 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec):
     bytes there; results/attention_H200_one_pass_tma_reduce.json). So dq stays a separate,
     deterministic kernel.
     """
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
     bq = 64
     item = jnp.dtype(dt).itemsize
     interpret = interpret_enabled()
     segmented = q_segment_ids is not None
     stages = _stages(2 * bq * H * item + (3 if segmented else 2) * bq * 4, 2 * _CTA * H * item)
-    band = _Band.keys_by_query(spec, T, S)
+    band = _Band.keys_by_query(spec, tails)
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS
 
     def tile_at(t, reach=None) -> _Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
@@ -1057,7 +1116,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec):
         ]
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
 
-    kv_type = jax.ShapeDtypeStruct((B, S, K, H), dt)
+    kv_type = jax.ShapeDtypeStruct(k.shape, dt)
     return plgpu.kernel(
         attention_dkv,
         out_type=(kv_type, kv_type),
@@ -1069,7 +1128,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec):
     )(q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
 
 
-def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, *, fused_delta: bool):
+def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: _Tails, *,
+        fused_delta: bool):
     """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_DQ_BLOCK_KV` streamed.
 
     fused_delta: row_term is dlse, and delta = rowsum(dO * O) - dlse is computed here for the
@@ -1077,8 +1137,9 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, *
     kernel (the producer streams the tile's O rows through the tile's first ring slot: the
     kernel has no SMEM to spare, so a tile makes steps + 1 ring uses). Otherwise row_term is
     delta itself and `out` is not read (see `_DELTA_IN_DQ_KERNEL`)."""
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
     bkv = _DQ_BLOCK_KV
     assert bkv >= _CTA, "the O rows of a tile go through one K ring slot"
@@ -1086,7 +1147,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, *
     segmented = q_segment_ids is not None
     assert not (segmented and fused_delta), "the O rows' ring use has no segment ids copy"
     stages = _stages(2 * bkv * H * item + (4 * bkv if segmented else 0), 2 * _CTA * H * item)
-    band = _Band.forward(spec, T, S)
+    band = _Band.forward(spec, tails)
     interpret = interpret_enabled()
     tile_at = lambda t, reach=None: _Tile.of(t, (N, T // _CTA, B), band, bkv, S, last_first=True, reach=reach)
     first = 1 if fused_delta else 0  # ring uses before the key blocks
@@ -1220,7 +1281,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, *
 
     return plgpu.kernel(
         attention_dq,
-        out_type=(jax.ShapeDtypeStruct((B, T, N, H), dt),) + (
+        out_type=(jax.ShapeDtypeStruct(q.shape, dt),) + (
             (jax.ShapeDtypeStruct((B, N, T), _F32),) if fused_delta else ()),
         **schedule.grid,
         num_threads=_WGS + 1,
@@ -1243,25 +1304,25 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         from forgeax.kernels.triton import attention as triton_attention  # lazily: triton is optional
 
         return triton_attention.backward(*args)
-    a, b, q_ids, kv_ids = _tails(q, k, q_segment_ids, kv_segment_ids)
-    if a or b:  # see _tails; the padded query rows get dO = 0, lse = -inf, dlse = 0
-        dq, dk, dv, _ = _backward(
-            _front_pad(q, a), _front_pad(k, b), _front_pad(v, b), None, None, q_ids, kv_ids, None,
-            _front_pad(out, a), _front_pad(lse, a, -jnp.inf, axis=2), _front_pad(dout, a),
-            _front_pad(jnp.broadcast_to(dlse, lse.shape), a, axis=2), spec)
-        return dq[:, a:], dk[:, b:], dv[:, b:], None
-    # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0.
-    lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
-    dout, out = dout.astype(q.dtype), out.astype(q.dtype)
+    tails = _Tails.of(q, k)
+    dt = q.dtype
     dlse = jnp.broadcast_to(dlse, lse.shape).astype(_F32)
-    segments = (q_segment_ids, kv_segment_ids)
+    # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0; so do the
+    # rows past T (`_Tails`), whose dO is 0.
+    lse2 = tails.row_stats(jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf), jnp.inf)
+    q, k, v = tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v)
+    out, dout = tails.tma_rows(out.astype(dt)), tails.tma_rows(dout.astype(dt))
+    segments = tails.ids(q_segment_ids, kv_segment_ids)
     if _DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None:
-        dq, delta = _dq(q, k, v, dout, out, lse2, dlse, *segments, spec, fused_delta=True)
+        dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
     else:
-        delta = jnp.einsum("btnh,btnh->bnt", dout.astype(_F32), out.astype(_F32)) - dlse
-        (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, fused_delta=False)
-    dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec)
-    return dq, dk, dv, None
+        rows = slice(0, tails.T)
+        delta = jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(_F32), out[:, rows].astype(_F32)) - dlse
+        delta = tails.row_stats(delta)
+        (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
+    dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
+    T, S = tails.T, tails.S
+    return dq[:, :T], dk[:, :S], dv[:, :S], None
 
 
 # ----------------------------------------------------------------------------- wiring
