@@ -27,12 +27,16 @@ _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "
 
 def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
     """Forward-only calls (not differentiated) that try pallas_gpu before cuDNN: causal/window with
-    GQA, a window, or head_dim > 128, where its forward kernel was measured at least as fast as
-    cuDNN's and the call faster (H200, benchmarks/results/attention_H200_kernel_times.json, kernel /
-    wall ms against cuDNN's: GQA T8192 0.823 / 0.868 against 0.883 / 0.971; window 4096 T16384
-    1.562 / 1.625 against 1.598 / 1.693; H256 0.447 / 0.488 against 0.450 / 0.587). Plain causal
-    at head_dim <= 128 without GQA stays on cuDNN: the evidence is mixed and inside the noise
-    between two timings of one computation (4-5%). cuDNN's kernel is 1-2% faster by CUPTI (0.924-
+    GQA, or a window, where its forward kernel was measured at least as fast as cuDNN's and the
+    call faster (H200, benchmarks/results/attention_H200_kernel_times.json, kernel / wall ms
+    against cuDNN's: GQA T8192 0.823 / 0.868 against 0.883 / 0.971; window 4096 T16384 1.562 /
+    1.625 against 1.598 / 1.693), and side by side in tools/bench.py's rounds (GQA 1.15-1.16x,
+    window 1.15-1.18x: results/attention_H200_2026-11-25_segments.json,
+    results/attention_H200_2026-11-25_in_place_table.json). Head_dim 256 stays on cuDNN: its kernel
+    times were even (0.447 against 0.450 ms) and the same bench rounds had pallas_gpu at 0.99x and
+    0.96x, the default (then pallas_gpu) at 0.90x. Plain causal at head_dim <= 128 without GQA
+    stays on cuDNN: the evidence is mixed and inside the noise between two timings of one
+    computation (4-5%). cuDNN's kernel is 1-2% faster by CUPTI (0.924-
     0.934 against the persistent pallas_gpu forward's 0.942 ms, H200,
     results/attention_persistent_forward_in_order.json), while whole calls favour pallas_gpu
     (1.08-1.13x in alternating-order rounds, results/attention_H200_2026-11-25_abba.json; 1.05x per
@@ -43,7 +47,7 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
     spec = kwargs["spec"]
     if platform != "gpu" or not spec.has_position_mask:
         return ()
-    if (q.shape[2] > k.shape[2] or spec.window_left is not None or q.shape[3] > 128) and _aligned(args):
+    if (q.shape[2] > k.shape[2] or spec.window_left is not None) and _aligned(args):
         return ("pallas_gpu",)
     return ()
 

@@ -641,7 +641,7 @@ def test_jit_grad_vmap_checkpoint_bf16(backend):
 DEFAULT_SPLIT_CASES = {
     "gqa": (8, 2, 128, dict(causal=True), ("pallas_gpu", "cudnn")),
     "window": (4, 4, 128, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
-    "head_dim_256": (4, 4, 256, dict(causal=True), ("pallas_gpu", "cudnn")),
+    "head_dim_256": (4, 4, 256, dict(causal=True), ("cudnn", None)),
     "causal_mha": (4, 4, 128, dict(causal=True), ("cudnn", None)),
     "full_gqa": (8, 2, 128, dict(), ("cudnn", None)),
     # ops/attention.py's _training_order: pallas_gpu for both at causal head_dim 64 without a window.
@@ -668,6 +668,24 @@ def test_training_order_rule():
     assert order(128, causal=True) == ()
     assert order(64) == ()
     assert order(64, causal=True, window_left=100, window_right=0) == ()
+
+
+def test_inference_order_rule():
+    """Which forward-only calls _inference_order sends to pallas_gpu first: GQA or a window."""
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.ops.attention import _inference_order
+
+    def order(H, N=4, K=4, platform="gpu", **spec):
+        q, kv = jax.ShapeDtypeStruct((1, 256, N, H), jnp.bfloat16), jax.ShapeDtypeStruct((1, 256, K, H), jnp.bfloat16)
+        return _inference_order(platform, (q, kv, kv), {"spec": AttentionSpec(**spec)})
+
+    assert order(128, N=8, K=2, causal=True) == ("pallas_gpu",)
+    assert order(128, causal=True, window_left=100, window_right=0) == ("pallas_gpu",)
+    assert order(64, causal=True, window_left=100, window_right=0) == ("pallas_gpu",)
+    assert order(256, causal=True) == ()  # measured even or slower than cuDNN
+    assert order(128, causal=True) == ()
+    assert order(128, N=8, K=2) == ()  # no position mask
+    assert order(128, N=8, K=2, platform="tpu", causal=True) == ()
 
 
 def test_inference_order_keeps_unaligned_lengths_on_the_priority():
