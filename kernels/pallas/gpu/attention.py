@@ -599,6 +599,27 @@ def _stages(per_stage: int, fixed: int, cap: int = 3) -> int:
     return max(2, min(cap, (_SMEM_BUDGET - fixed) // per_stage))
 
 
+def _launch(name: str, kernel, scratch, barriers, out_type, schedule: "_Schedule", interpret: bool):
+    """The plgpu.kernel of every attention kernel here: `_WGS` consumer warpgroups and a producer
+    over the schedule's grid, running kernel(*inputs, *outputs, *scratch, *barriers) with every
+    SMEM buffer and barrier allocated once for all warpgroups (a None scratch entry stays None:
+    a buffer this call does not need). `name` is the kernel's name in profiles."""
+
+    def body(*refs):
+        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        **schedule.grid,
+        num_threads=_WGS + 1,
+        thread_name="wg",
+        compiler_params=_params(),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=name,
+    )
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -927,36 +948,27 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 
     tr = _transforms(dt)
 
-    def attention_fwd(*refs):  # the kernel's name in profiles
-        scratch = [
-            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr) if separate_out else None,
-            plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
-            plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
-            plgpu.SMEM((_WGS, _ROWS), _F32),
-            plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
-            plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
-            plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
-        ]
-        ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
-        bars = [
-            plgpu.Barrier(num_arrivals=1 + ids, num_barriers=_WGS),
-            plgpu.Barrier(num_arrivals=1 + ids, num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-        ]
-        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
-
-    out, lse = plgpu.kernel(
-        attention_fwd,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((B, N, T), _F32)),
-        **schedule.grid,
-        num_threads=_WGS + 1,
-        thread_name="wg",
-        compiler_params=_params(),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
+    scratch = [
+        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr) if separate_out else None,
+        plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+        plgpu.SMEM((_WGS, _ROWS), _F32),
+        plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
+        plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
+        plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
+    ]
+    ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
+    bars = [
+        plgpu.Barrier(num_arrivals=1 + ids, num_barriers=_WGS),
+        plgpu.Barrier(num_arrivals=1 + ids, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+    ]
+    out_type = (jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((B, N, T), _F32))
+    out, lse = _launch("attention_fwd", kernel, scratch, bars, out_type, schedule, interpret)(
+        q, k, v, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
     return out, lse
 
 
@@ -1096,36 +1108,26 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
 
     tr = _transforms(dt)
 
-    def attention_dkv(*refs):  # the kernel's name in profiles
-        scratch = [
-            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-            plgpu.SMEM((stages, bq, H), dt, transforms=tr),
-            plgpu.SMEM((stages, bq, H), dt, transforms=tr),
-            plgpu.SMEM((stages, bq), _F32),
-            plgpu.SMEM((stages, bq), _F32),
-            plgpu.SMEM((_WGS, _ROWS, bq), dt, transforms=tr) if interpret else None,
-            plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
-            plgpu.SMEM((stages, bq), jnp.int32) if segmented else None,
-        ]
-        ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
-        bars = [
-            plgpu.Barrier(num_arrivals=2 + ids, num_barriers=_WGS),
-            plgpu.Barrier(num_arrivals=4 + ids, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-        ]
-        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
-
+    scratch = [
+        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bq, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bq, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bq), _F32),
+        plgpu.SMEM((stages, bq), _F32),
+        plgpu.SMEM((_WGS, _ROWS, bq), dt, transforms=tr) if interpret else None,
+        plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
+        plgpu.SMEM((stages, bq), jnp.int32) if segmented else None,
+    ]
+    ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
+    bars = [
+        plgpu.Barrier(num_arrivals=2 + ids, num_barriers=_WGS),
+        plgpu.Barrier(num_arrivals=4 + ids, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+    ]
     kv_type = jax.ShapeDtypeStruct(k.shape, dt)
-    return plgpu.kernel(
-        attention_dkv,
-        out_type=(kv_type, kv_type),
-        **schedule.grid,
-        num_threads=_WGS + 1,
-        thread_name="wg",
-        compiler_params=_params(),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
+    return _launch("attention_dkv", kernel, scratch, bars, (kv_type, kv_type), schedule, interpret)(
+        q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
 
 
 def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: _Tails, *,
@@ -1258,37 +1260,28 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
     tr = _transforms(dt)
 
-    def attention_dq(*refs):  # the kernel's name in profiles
-        scratch = [
-            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-            plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-            plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
-            plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
-            plgpu.SMEM((_WGS, _ROWS), _F32),
-            plgpu.SMEM((_WGS, _ROWS), _F32),
-            plgpu.SMEM((_WGS, _ROWS), _F32),
-            plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
-            plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
-            plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
-        ]
-        ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
-        bars = [
-            plgpu.Barrier(num_arrivals=4 + ids, num_barriers=_WGS),
-            plgpu.Barrier(num_arrivals=2 + ids, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-        ]
-        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *bars, collective_axes="wg")
-
-    return plgpu.kernel(
-        attention_dq,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dt),) + (
-            (jax.ShapeDtypeStruct((B, N, T), _F32),) if fused_delta else ()),
-        **schedule.grid,
-        num_threads=_WGS + 1,
-        thread_name="wg",
-        compiler_params=_params(),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, do, out, lse2, row_term, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
+    scratch = [
+        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+        plgpu.SMEM((_WGS, _ROWS), _F32),
+        plgpu.SMEM((_WGS, _ROWS), _F32),
+        plgpu.SMEM((_WGS, _ROWS), _F32),
+        plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
+        plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
+        plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
+    ]
+    ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
+    bars = [
+        plgpu.Barrier(num_arrivals=4 + ids, num_barriers=_WGS),
+        plgpu.Barrier(num_arrivals=2 + ids, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+    ]
+    out_type = (jax.ShapeDtypeStruct(q.shape, dt),) + (
+        (jax.ShapeDtypeStruct((B, N, T), _F32),) if fused_delta else ())
+    return _launch("attention_dq", kernel, scratch, bars, out_type, schedule, interpret)(
+        q, k, v, do, out, lse2, row_term, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
 
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
