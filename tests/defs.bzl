@@ -7,9 +7,8 @@ load("//tools/pytest:defs.bzl", "pytest_test")
 CPU_ENV = {"JAX_PLATFORMS": "cpu"}
 
 # Every backend on CPU: Pallas interpreters, Triton's interpreter. NPROC sizes XLA's CPU thread
-# pool (default: the cores): the Mosaic GPU interpreter runs each warpgroup as a program whose
-# barrier waits block a pool thread, and with the pool of a 2-core machine two blocked waits
-# starve the warpgroup they wait for (a hang, see tests/conformance.py).
+# pool, which the Mosaic GPU interpreter's blocking callbacks exhaust on 2 cores (a hang: see
+# tests/conformance.py, which sets the same default for runs outside Bazel).
 INTERPRET_ENV = dict(CPU_ENV, FORGEAX_INTERPRET = "1", NPROC = "8")
 
 # TRITON_INTERPRET must be set before `import triton`: its own process/target.

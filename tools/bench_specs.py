@@ -197,11 +197,12 @@ def _attention_spec() -> Spec:
               options=(("causal", True), ("documents", 2048))),
         Shape("packed 32x512 GQA H64 causal B1 T16384 N32 KV8", (1, 16384, 32, 8, 64), "bfloat16",
               options=(("causal", True), ("documents", 512))),
-        # Unaligned length (not a multiple of 128) with a soft cap: cuDNN cannot; pallas_gpu pads.
+        # Unaligned length (not a multiple of 128) with a soft cap: cuDNN cannot; pallas_gpu runs it
+        # in place over whole tiles (`_Tails`).
         Shape("soft cap 50 causal B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("logit_soft_cap", 50.0))),
-        # The same length not causal (pallas_gpu's padded keys then need masking), and the plain
-        # causal call at that length, which cuDNN takes.
+        # Not causal, so pallas_gpu masks the keys past S (`_Band.cols`); and the plain causal call
+        # at that length, which cuDNN takes.
         Shape("soft cap 50 full B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
               options=(("logit_soft_cap", 50.0),)),
         Shape("causal B4 T4000 N32 H128", (4, 4000, 32, 32, 128), "bfloat16", options=(("causal", True),)),
