@@ -599,6 +599,18 @@ def _stages(per_stage: int, fixed: int, cap: int = 3) -> int:
     return max(2, min(cap, (_SMEM_BUDGET - fixed) // per_stage))
 
 
+def _staging_and_segment_buffers(dt, blk: int, stages: int, interpret: bool, segmented: bool) -> list:
+    """The last scratch entries of every kernel here (None where the call needs none): the
+    per-warpgroup (rows, blk) buffer through which interpret mode stages register-LHS wgmma
+    operands (`_Mma`), the row segment ids of each warpgroup's rows, and the column segment ids
+    of each ring slot's blk columns."""
+    return [
+        plgpu.SMEM((_WGS, _ROWS, blk), dt, transforms=_transforms(dt)) if interpret else None,
+        plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
+        plgpu.SMEM((stages, blk), jnp.int32) if segmented else None,
+    ]
+
+
 def _launch(name: str, kernel, scratch, barriers, out_type, schedule: "_Schedule", interpret: bool):
     """The plgpu.kernel of every attention kernel here: `_WGS` consumer warpgroups and a producer
     over the schedule's grid, running kernel(*inputs, *outputs, *scratch, *barriers) with every
@@ -954,9 +966,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
         plgpu.SMEM((_WGS, _ROWS), _F32),
-        plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
-        plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
-        plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
+        *_staging_and_segment_buffers(dt, bkv, stages, interpret, segmented),
     ]
     ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
     bars = [
@@ -1115,9 +1125,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
         plgpu.SMEM((stages, bq, H), dt, transforms=tr),
         plgpu.SMEM((stages, bq), _F32),
         plgpu.SMEM((stages, bq), _F32),
-        plgpu.SMEM((_WGS, _ROWS, bq), dt, transforms=tr) if interpret else None,
-        plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
-        plgpu.SMEM((stages, bq), jnp.int32) if segmented else None,
+        *_staging_and_segment_buffers(dt, bq, stages, interpret, segmented),
     ]
     ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
     bars = [
@@ -1268,9 +1276,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
         plgpu.SMEM((_WGS, _ROWS), _F32),
         plgpu.SMEM((_WGS, _ROWS), _F32),
         plgpu.SMEM((_WGS, _ROWS), _F32),
-        plgpu.SMEM((_WGS, _ROWS, bkv), dt, transforms=tr) if interpret else None,
-        plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
-        plgpu.SMEM((stages, bkv), jnp.int32) if segmented else None,
+        *_staging_and_segment_buffers(dt, bkv, stages, interpret, segmented),
     ]
     ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
     bars = [
