@@ -2,6 +2,7 @@
 
     python benchmarks/tune_attention.py --backend pallas_gpu \
         --variant default --variant _SMEM_BUDGET=232448 --out tune.json
+    python benchmarks/tune_attention.py --backend triton --variant default --variant source=old.py
 
 Each variant sets module-level constants of forgeax.kernels.<backend path>.attention before
 tracing (kernels read them at trace time), builds fwd and fwd+bwd at the benchmark shape
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -31,10 +33,20 @@ from forgeax import ops  # noqa: E402
 MODULES = {"pallas_gpu": "forgeax.kernels.pallas.gpu.attention", "triton": "forgeax.kernels.triton.attention"}
 
 
-def _parse(variant: str) -> dict[str, int | tuple[int, ...]]:
-    """'NAME=1,OTHER=240:24,NONE=()' -> {NAME: 1, OTHER: (240, 24), NONE: ()}."""
+def _parse(variant: str, module) -> dict[str, object]:
+    """'NAME=1,OTHER=240:24,NONE=()' -> {NAME: 1, OTHER: (240, 24), NONE: ()}; 'source=PATH':
+    every function of the backend module replaced by its namesake in the Python file PATH (an
+    earlier revision of the module, say `git show REV:kernels/triton/attention.py > old.py`;
+    its functions keep reading PATH's globals, so the variant is that revision's kernels)."""
     if variant == "default":
         return {}
+    if variant.startswith("source="):
+        spec = importlib.util.spec_from_file_location(f"{module.__name__}_variant", variant[len("source="):])
+        other = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = other  # dataclasses look their module up there
+        spec.loader.exec_module(other)
+        return {name: value for name, value in vars(other).items()
+                if callable(value) and not isinstance(value, type) and name in vars(module)}
     value = lambda v: () if v == "()" else tuple(int(x) for x in v.split(":")) if ":" in v else int(v)
     return {name: value(v) for name, v in (item.split("=") for item in variant.split(","))}
 
@@ -94,7 +106,7 @@ def main() -> None:
     candidates = {"cudnn": cudnn}
     defaults = {}
     for variant in args.variant or ["default"]:
-        settings = _parse(variant)
+        settings = _parse(variant, module)
         for name in settings:
             defaults.setdefault(name, getattr(module, name))
         for name, value in {**defaults, **settings}.items():
