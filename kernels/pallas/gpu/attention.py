@@ -155,7 +155,8 @@ _DELTA_IN_DQ_KERNEL = True
 # non-causal 8.108 against 8.149, H = 64 2.531 against 2.739 for the other order without the dQ
 # overlap. ptxas spills: dQ 124 bytes (116 without), dK/dV 76-84. Issuing dv's wgmma before
 # waiting for dO v^T (ds computed while it runs) measured no faster (4.294, GQA 4.063, non-causal
-# 8.205 ms) and spilled 100 bytes.
+# 8.205 ms) and spilled 100 bytes; so did leaving each step's dq wgmma in flight into the next
+# step (ptxas serialised the dQ kernel's wgmmas for lack of registers, C7512: 4.572 against 4.312).
 _DKV_FA3_ORDER_HEAD_DIMS = (64, 128)
 _DQ_OVERLAP_HEAD_DIMS = (64, 128)
 _INTERPRET_CTAS = 2  # interpret mode: two CTAs, most with several tiles (uneven counts)
