@@ -40,16 +40,13 @@ Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except 
 window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
   * dQ kernel: one CTA = 128 query rows of one (b, n), consumers own 64 rows, the producer
     streams the tile's O rows, then K/V blocks of `_DQ_BLOCK_KV` keys:
-        delta = rowsum(dO * O) - dlse;  p, dp = dO v^T, ds = p (dp - delta), dq += ds k
-    (q k^T and dO v^T issued together, p's exp2s computed while dO v^T runs).
+        delta = rowsum(dO * O) - dlse;  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
   * dK/dV kernel (persistent at H = 64 and 128 without a left window, `_PERSISTENT_DKV_HEAD_DIMS`):
     tiles of 128 keys of one (b, kv head); each consumer WG owns 64 keys (K, V in SMEM), loops
     over the G query heads of its group and the query blocks (64 rows) that see its keys,
     streamed by the producer WG (Q, dO, lse, delta per ring slot):
         pT = exp2(s^T - lse);  dv += pT dO;  dpT = v dO^T;  dsT = pT (dpT - delta);  dk += dsT q
-    (FA3's order: k q^T and v dO^T issued together, pT's exp2s computed while v dO^T runs, then
-    the dv and dk wgmmas together). dk, dv stay in registers for the whole loop (deterministic;
-    GQA groups summed in-kernel).
+    dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
   * H = 256: dk + dv would need 256 accumulator registers per thread, so the H = 256 backward is
     Triton's fused kernel on the GPU (XLA's chunked backward in interpret mode); the forward
     uses this kernel.
@@ -141,24 +138,19 @@ _DQ_BLOCK_KV = 128
 # non-causal 7.415 against 7.519, H64 2.380 against 2.389, but window 4096 at T16384 6.789
 # against 6.683 (its dQ kernel 2.265 against 2.040 ms; ptxas spills 324 against 308 bytes).
 _DELTA_IN_DQ_KERNEL = True
-# dK/dV step order. FA3's: q k^T and dO v^T issued together (pT's exp2s computed while dO v^T is
-# still in flight, `_Mma.first_then`), then dv += p^T dO and dk += ds^T q together. Otherwise:
-# q k^T; dv's and dO v^T's wgmmas; dk's (three waits, fewer live registers). Before the exp2s
-# overlapped dO v^T, FA3's order measured faster only at H = 64 (H100, fwd+bwd,
-# results/attention_H100_dkv_order.json: 2.745 against 2.960 ms; H = 128 4.426 against 4.427).
-# dQ step (`_DQ_OVERLAP_HEAD_DIMS`): q k^T and dO v^T issued together, p's exp2s computed while
-# dO v^T is in flight; otherwise q k^T, its softmax, then dO v^T, each product waited for.
-# Both overlaps against neither, fwd+bwd on an H200 (benchmarks/tune_attention.py, interleaved
-# with cuDNN, results/attention_H200_2026-11-26_backward_overlap.json): causal B4 T4096 N32 H128
-# 4.239 / 4.327 / 4.273 against 4.359 / 4.370 / 4.321 ms (three runs; 4.386 with only the dQ
-# overlap, 4.409 with only the dK/dV one), GQA T8192 3.938 / 3.905 against 4.094 / 4.044,
-# non-causal 8.108 against 8.149, H = 64 2.531 against 2.739 for the other order without the dQ
-# overlap. ptxas spills: dQ 124 bytes (116 without), dK/dV 76-84. Issuing dv's wgmma before
-# waiting for dO v^T (ds computed while it runs) measured no faster (4.294, GQA 4.063, non-causal
-# 8.205 ms) and spilled 100 bytes; so did leaving each step's dq wgmma in flight into the next
-# step (ptxas serialised the dQ kernel's wgmmas for lack of registers, C7512: 4.572 against 4.312).
-_DKV_FA3_ORDER_HEAD_DIMS = (64, 128)
-_DQ_OVERLAP_HEAD_DIMS = (64, 128)
+# dK/dV step order. FA3's: q k^T and dO v^T issued together, then dv += p^T dO and dk += ds^T q
+# together (two waits per step). Otherwise: q k^T; dv's and dO v^T's wgmmas; dk's (three waits,
+# fewer live registers). Measured on an H100 (results/attention_H100_dkv_order.json, fwd+bwd):
+# at H = 64 2.745 against 2.960 ms; at H = 128 no faster (4.426 against 4.427 ms; GQA 4.264 against
+# 4.228), where ptxas spills 76 bytes in it.
+_DKV_FA3_ORDER_HEAD_DIMS = (64,)
+# Overlapping the softmax's exp2s with the step's second fresh wgmma (wait for q k^T only, compute
+# p while dO v^T runs, in the dQ kernel and in FA3's dK/dV order at H = 128) was built and A/B
+# tested on three H200s (results/attention_H200_2026-11-26_backward_overlap.json): fwd+bwd 1-4%
+# faster on two (causal H128 4.24-4.33 against 4.32-4.37 ms, GQA 3.91-3.94 against 4.04-4.09),
+# 3-7% slower on the third, which ran power-capped (up to 692 W, SM clock down to ~1340 MHz;
+# causal H128 4.58 / 4.70 against 4.40 / 4.38 ms for two copies of each, GQA 4.15 / 4.22 against
+# 4.04 / 4.10). Not kept: sustained training runs power-capped, where it lost.
 _INTERPRET_CTAS = 2  # interpret mode: two CTAs, most with several tiles (uneven counts)
 # Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
 # 232 + 40 ptxas spilled in the overlapped forward (12 bytes) and in a backward kernel (48 bytes).
@@ -524,18 +516,15 @@ class _Mma:
 
         return pl.run_state(update)((plgpu.ACC.init(acc), plgpu.ACC.init(_zeros(shape2))))
 
-    def first_then(self, products, shape, between):
-        """(between(a0 @ b0), a1 @ b1, ...), fresh products of SMEM operands: on the GPU all are
-        issued together and `between` runs on the first while the others are in flight."""
+    def fresh(self, products, shape):
+        """[a @ b for (a, b) in products], SMEM operands: on the GPU all issued before one wait."""
         if self.interpret:
-            first, *rest = [self(a, b, shape) for a, b in products]
-            return (between(first), *rest)
+            return [self(a, b, shape) for a, b in products]
 
         def run(*refs):
             for ref, (a, b) in zip(refs, products):
                 plgpu.wgmma(ref, a, b)
-            first = between(plgpu.wgmma_accumulator_load(refs[0], wait_n=len(refs) - 1))
-            return (first, *(ref[...] for ref in refs[1:]))
+            return tuple(ref[...] for ref in refs)
 
         return pl.run_scoped(run, *[plgpu.ACC(shape, _F32) for _ in products])
 
@@ -1071,31 +1060,25 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                         slot = lax.rem(i, _i32(stages))
                         plgpu.barrier_wait(loaded.at[slot])
                         q_t, do_t = q_smem.at[slot].transpose((1, 0)), do_smem.at[slot].transpose((1, 0))
-
-                        def probabilities(x):
-                            st, c = _scores(x, spec)
-                            lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                            pt = _exp2(st, c, _bcast(lse, st.shape, 1))
-                            if masked:
-                                col_ids = _segment_ids(col_ids_smem, slot, 0)
-                                pt = jnp.where(_allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
-                            return pt, st
-
-                        def score_grads(pt, dpt, st):
-                            dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                            dst = pt * (dpt - _bcast(dl, st.shape, 1))
-                            if spec.logit_soft_cap is not None:
-                                dst = dst * _cap_grad(st, spec)
-                            return dst
-
-                        if fa3_order:  # pT's exp2s run while v dO^T is on the tensor cores
-                            (pt, st), dpt = mma.first_then([(k_s, q_t), (v_s, do_t)], (_ROWS, bq), probabilities)
-                            dst = score_grads(pt, dpt, st)
+                        if fa3_order:
+                            st, dpt = mma.fresh([(k_s, q_t), (v_s, do_t)], (_ROWS, bq))
+                            st, c = _scores(st, spec)
+                        else:
+                            st, c = _scores(mma(k_s, q_t, (_ROWS, bq)), spec)
+                        lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        pt = _exp2(st, c, _bcast(lse, st.shape, 1))
+                        if masked:
+                            col_ids = _segment_ids(col_ids_smem, slot, 0)
+                            pt = jnp.where(_allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
+                        if not fa3_order:
+                            dv, dpt = mma.two(dv, pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
+                        dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        dst = pt * (dpt - _bcast(dl, st.shape, 1))
+                        if spec.logit_soft_cap is not None:
+                            dst = dst * _cap_grad(st, spec)
+                        if fa3_order:
                             dv, dk = mma.update([(dv, pt.astype(dt), do_smem.at[slot]), (dk, dst.astype(dt), q_smem.at[slot])])
                         else:
-                            pt, st = probabilities(mma(k_s, q_t, (_ROWS, bq)))
-                            dv, dpt = mma.two(dv, pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
-                            dst = score_grads(pt, dpt, st)
                             dk = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=dk, a_in_regs=True)
                         ring.release(slot, i, total)
                         return dk, dv
@@ -1187,7 +1170,6 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     first = 1 if fused_delta else 0  # ring uses before the key blocks
     persistent = H in _PERSISTENT_DQ_HEAD_DIMS and not segmented
     schedule = _Schedule.of(lambda t: tile_at(t).steps + first, (N, T // _CTA, B), persistent, interpret)
-    overlap = H in _DQ_OVERLAP_HEAD_DIMS
 
     def kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, row_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                dq_ref, *rest):
@@ -1239,21 +1221,12 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
                     i = base + first + j - tl.lo
                     slot = lax.rem(i, _i32(stages))
                     plgpu.barrier_wait(loaded.at[slot])
-
-                    def probabilities(x):
-                        s, c = _scores(x, spec)
-                        p = _exp2(s, c, _bcast(lse, s.shape, 0))
-                        if masked:
-                            col_ids = _segment_ids(col_ids_smem, slot, 0)
-                            p = jnp.where(_allowed(band, rows, j * bkv, s.shape, row_ids, col_ids), p, 0.0)
-                        return p, s
-
-                    q_k, do_v = (q_s, k_smem.at[slot].transpose((1, 0))), (do_s, v_smem.at[slot].transpose((1, 0)))
-                    if overlap:  # p's exp2s run while dO v^T is on the tensor cores
-                        (p, s), dp = mma.first_then([q_k, do_v], (_ROWS, bkv), probabilities)
-                    else:
-                        p, s = probabilities(mma(*q_k, (_ROWS, bkv)))
-                        dp = mma(*do_v, (_ROWS, bkv))
+                    s, c = _scores(mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv)), spec)
+                    p = _exp2(s, c, _bcast(lse, s.shape, 0))
+                    if masked:
+                        col_ids = _segment_ids(col_ids_smem, slot, 0)
+                        p = jnp.where(_allowed(band, rows, j * bkv, s.shape, row_ids, col_ids), p, 0.0)
+                    dp = mma(do_s, v_smem.at[slot].transpose((1, 0)), (_ROWS, bkv))
                     ds = p * (dp - _bcast(dl, s.shape, 0))
                     if spec.logit_soft_cap is not None:
                         ds = ds * _cap_grad(s, spec)
