@@ -61,17 +61,19 @@ def main() -> None:
     parser.add_argument("--shape", default="4,4096,32,32,128", help="B,T,N,K,H")
     parser.add_argument("--causal", type=int, default=1)
     parser.add_argument("--window", type=int, default=None, help="left window size (with causal)")
+    parser.add_argument("--logit-soft-cap", type=float, default=None, help="soft cap (cuDNN has none: skipped)")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
     q, k, v, do = random_inputs(args.shape)
     causal = bool(args.causal)
     window = None if args.window is None else (args.window, 0)
-    attend = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+    cap = args.logit_soft_cap
+    attend = {} if cap is not None else {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")}
     for backend in args.backend or ["pallas_gpu"]:
         attend[backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
-            q, k, v, causal=causal, window=window, backend=backend)
+            q, k, v, causal=causal, window=window, logit_soft_cap=cap, backend=backend)
     results = {}
     for name, fn in attend.items():
         def fwd_bwd(q, k, v, do, fn=fn):
@@ -95,7 +97,7 @@ def main() -> None:
     if args.out != "-":
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, shape=args.shape, causal=causal, window=window,
-                           iterations=args.iterations, results=results), f, indent=1)
+                           logit_soft_cap=cap, iterations=args.iterations, results=results), f, indent=1)
 
 
 if __name__ == "__main__":
