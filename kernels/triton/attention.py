@@ -146,6 +146,23 @@ def _logits2(qk, t, s, b, n, BIAS, MASK, QSEG, KVSEG, T: tl.constexpr, S: tl.con
 
 
 @triton.jit
+def _key_tile(PTR, base, s, d, ROW: tl.constexpr, S: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+              MASKED: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Key rows s (row stride ROW) of a K or V head: [DP, len(s)] if TRANSPOSED else [len(s), DP],
+    zeros past S and past D. Unmasked blocks lie below S (`_key_blocks`): their loads take no
+    mask when DP == D (see `_fwd_kernel`'s Q load for why row masks matter)."""
+    if TRANSPOSED:
+        offsets = s[None, :] * ROW + d[:, None]
+        inside = (s[None, :] < S) & (d[:, None] < D)
+    else:
+        offsets = s[:, None] * ROW + d[None, :]
+        inside = (s[:, None] < S) & (d[None, :] < D)
+    if MASKED or DP != D:
+        return tl.load(PTR + base + offsets, mask=inside, other=0.0)
+    return tl.load(PTR + base + offsets)
+
+
+@triton.jit
 def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo), tl.maximum(hi, lo))
 
@@ -222,8 +239,7 @@ def _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS
     s = start + tl.arange(0, BN)
     hk = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
-    kt_mask = (s[None, :] < S) & (hk[:, None] < H)
-    kt = tl.load(K + k_base + s[None, :] * (KH * H) + hk[:, None], mask=kt_mask, other=0.0)
+    kt = _key_tile(K, k_base, s, hk, KH * H, S, H, HP, MASKED, True)
     z, th = _logits2(_dot(q, kt, DOT), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE,
                      CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
     m_new = tl.maximum(m_i, tl.max(z, 1))
@@ -233,8 +249,7 @@ def _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROP:
         p = tl.where(_keep(h_bn, t[:, None], s[None, :], THRESH), p, 0.0)
-    v_mask = (s[:, None] < S) & (hv[None, :] < HV)
-    vt = tl.load(V + v_base + s[:, None] * (KH * HV) + hv[None, :], mask=v_mask, other=0.0)
+    vt = _key_tile(V, v_base, s, hv, KH * HV, S, HV, HVP, MASKED, False)
     acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, DOT)
     return acc, m_new, l_i
 
@@ -258,7 +273,13 @@ def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, O, LSE,
     q_base = b.to(tl.int64) * (T * N * H) + n * H
     k_base = b.to(tl.int64) * (S * KH * H) + kh * H
     v_base = b.to(tl.int64) * (S * KH * HV) + kh * HV
-    q = tl.load(Q + q_base + t[:, None] * (N * H) + h[None, :], mask=(t[:, None] < T) & (h[None, :] < H), other=0.0)
+    # Rows past T read row T - 1 (their outputs are not stored) rather than take a row mask. At
+    # T, S not multiples of 32 the row masks (this one, kept live through the loop, and the K/V
+    # loads' in unmasked blocks, `_key_tile`) cost ptxas's schedule: the soft-capped forward ran
+    # 1.35-1.39x as long as at T 4000 at the same clock (ncu: more dependency stalls), 2.69 ms at
+    # T 4008; without them 2.06 (T 4016 1.82, T 4000 1.89; H200,
+    # results/attention_H200_2026-11-26_triton_odd_lengths.json).
+    q = tl.load(Q + q_base + tl.minimum(t, T - 1)[:, None] * (N * H) + h[None, :], mask=h[None, :] < H, other=0.0)
     h_bn = 0
     if DROP:
         h_bn = _head_hash(SEED, b, n, N)
@@ -391,8 +412,8 @@ def _dz_tile(q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, M
     s = start + tl.arange(0, BN)
     h = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
-    kt = tl.load(K + k_base + s[None, :] * (KH * H) + h[:, None], mask=(s[None, :] < S) & (h[:, None] < H), other=0.0)
-    vt = tl.load(V + v_base + s[None, :] * (KH * HV) + hv[:, None], mask=(s[None, :] < S) & (hv[:, None] < HV), other=0.0)
+    kt = _key_tile(K, k_base, s, h, KH * H, S, H, HP, MASKED, True)
+    vt = _key_tile(V, v_base, s, hv, KH * HV, S, HV, HVP, MASKED, True)
     z, th = _logits2(_dot(q, kt, DOT), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
                      LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
     p = tl.math.exp2(z - lse2[:, None])
