@@ -327,9 +327,19 @@ def _delta_kernel(O, DO, DLSE, DELTA, T: tl.constexpr, N: tl.constexpr, HV: tl.c
     inside = (t[:, None] < T) & (hv[None, :] < HV)
     o = tl.load(O + offs, mask=inside, other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=inside, other=0.0).to(tl.float32)
-    row, inside = _stat_row(bn, t, T)
-    dlse = tl.load(DLSE + row, mask=inside, other=0.0)
-    tl.store(DELTA + row, tl.sum(o * do, 1) - dlse, mask=inside)  # 0 on the padding (o, do = 0 there)
+    row, row_inside = _stat_row(bn, t, T)
+    dlse = tl.load(DLSE + row, mask=row_inside, other=0.0)
+    tl.store(DELTA + row, tl.sum(o * do, 1) - dlse, mask=row_inside)  # 0 on the padding (o, do = 0 there)
+
+
+@triton.constexpr_function
+def stat_row_length(T: int) -> int:
+    """Row length of the backward's lse, dlse and delta [B, N, .] (`_stat_row`, `backward`; a
+    constexpr function: kernels and host share it): T rounded up to 4 floats. With rows of odd
+    length the heads' rows start unaligned and the backward ran 1.51x as long (H200, causal B4 N32
+    H128, CUPTI: 5.39 ms at T 4001 against 3.56 at T 4000 and 3.83 at T 4008;
+    results/attention_H200_2026-11-26_triton_odd_lengths.json)."""
+    return -(-T // 4) * 4
 
 
 @triton.jit
@@ -338,7 +348,7 @@ def _stat_row(bn, t, T: tl.constexpr):
     (lse, dlse, delta): [B, N, T] padded to `stat_row_length(T)` rows (`backward`; lse -inf, dlse
     and delta 0 there, what an empty row has), so that every head's row starts 16-byte aligned and
     the bound is a multiple of 4: their loads stay vectorised."""
-    TR: tl.constexpr = (T + 3) // 4 * 4
+    TR: tl.constexpr = stat_row_length(T)
     return bn.to(tl.int64) * TR + t, t < TR
 
 
@@ -701,14 +711,6 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
         BM=cfg.block_m, BN=cfg.block_n, **statics,
     )
     return out, lse
-
-
-def stat_row_length(T: int) -> int:
-    """Row length of the backward's lse, dlse and delta [B, N, .] (`_stat_row`): T rounded up to
-    4 floats. With rows of odd length the heads' rows start unaligned and the backward ran 1.51x
-    as long (H200, causal B4 N32 H128, CUPTI: 5.39 ms at T 4001 against 3.56 at T 4000 and 3.83
-    at T 4008; results/attention_H200_2026-11-26_triton_odd_lengths.json)."""
-    return -(-T // 4) * 4
 
 
 def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
