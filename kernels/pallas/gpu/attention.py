@@ -618,6 +618,18 @@ def _staging_and_segment_buffers(dt, blk: int, stages: int, interpret: bool, seg
     ]
 
 
+def _backward_barriers(tile_copies: int, slot_copies: int, stages: int, segmented: bool) -> list:
+    """The dQ and dK/dV kernels' barriers: per consumer warpgroup, its tile's `tile_copies` TMA
+    copies landed; per ring slot, the slot's `slot_copies` copies landed, and both consumers
+    released it. With segment ids the first two count one more copy each (the ids)."""
+    ids = 1 if segmented else 0
+    return [
+        plgpu.Barrier(num_arrivals=tile_copies + ids, num_barriers=_WGS),
+        plgpu.Barrier(num_arrivals=slot_copies + ids, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+    ]
+
+
 def _launch(name: str, kernel, scratch, barriers, out_type, schedule: "_Schedule", interpret: bool):
     """The plgpu.kernel of every attention kernel here: `_WGS` consumer warpgroups and a producer
     over the schedule's grid, running kernel(*inputs, *outputs, *scratch, *barriers) with every
@@ -1134,12 +1146,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
         plgpu.SMEM((stages, bq), _F32),
         *_staging_and_segment_buffers(dt, bq, stages, interpret, segmented),
     ]
-    ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
-    bars = [
-        plgpu.Barrier(num_arrivals=2 + ids, num_barriers=_WGS),
-        plgpu.Barrier(num_arrivals=4 + ids, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-    ]
+    # Tile copies: K, V; slot copies: Q, dO, lse, delta.
+    bars = _backward_barriers(tile_copies=2, slot_copies=4, stages=stages, segmented=segmented)
     kv_type = jax.ShapeDtypeStruct(k.shape, dt)
     return _launch("attention_dkv", kernel, scratch, bars, (kv_type, kv_type), schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
@@ -1285,12 +1293,8 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
         plgpu.SMEM((_WGS, _ROWS), _F32),
         *_staging_and_segment_buffers(dt, bkv, stages, interpret, segmented),
     ]
-    ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
-    bars = [
-        plgpu.Barrier(num_arrivals=4 + ids, num_barriers=_WGS),
-        plgpu.Barrier(num_arrivals=2 + ids, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-    ]
+    # Tile copies: dO, lse, the row term, Q; slot copies: K, V (or a tile's O rows, two halves).
+    bars = _backward_barriers(tile_copies=4, slot_copies=2, stages=stages, segmented=segmented)
     out_type = (jax.ShapeDtypeStruct(q.shape, dt),) + (
         (jax.ShapeDtypeStruct((B, N, T), _F32),) if fused_delta else ())
     return _launch("attention_dq", kernel, scratch, bars, out_type, schedule, interpret)(
