@@ -22,10 +22,9 @@ import threading
 import time
 
 import jax
-from tune_attention import random_inputs  # this directory is on sys.path when run as a script
+from tune_attention import attention_calls, jitted_steps, random_inputs  # this directory is on sys.path
 
 from bench import alternating  # noqa: E402 - tools/, put on sys.path by tune_attention
-from forgeax import ops
 
 
 class _Sampler:
@@ -78,17 +77,9 @@ def main() -> None:
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     q, k, v, do = random_inputs(args.shape)
     causal = bool(args.causal)
-    attend = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")}
-    for backend in args.backend or ["pallas_gpu"]:
-        attend[backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
-            q, k, v, causal=causal, backend=backend)
     steps = {}
-    for name, fn in attend.items():
-        def fwd_bwd(q, k, v, do, fn=fn):
-            out, pull = jax.vjp(fn, q, k, v)
-            return (out,) + pull(do)
-
-        steps[name] = jax.jit(fwd_bwd)
+    for name, fn in attention_calls(args.backend or ["pallas_gpu"], causal=causal).items():
+        steps[name] = jitted_steps(fn)[1]  # fwd+bwd
         jax.block_until_ready(steps[name](q, k, v, do))  # compile and warm up
     rounds = {name: [] for name in steps}
     for name in alternating(list(steps), args.rounds):

@@ -23,9 +23,8 @@ import time
 
 import jax
 from jax.experimental.mosaic.gpu import profiler
-from tune_attention import random_inputs  # this directory is on sys.path when run as a script
+from tune_attention import attention_calls, jitted_steps, random_inputs  # this directory is on sys.path
 
-from forgeax import ops
 
 
 def kernel_times(fn, args, iterations: int) -> dict[str, float]:
@@ -69,18 +68,11 @@ def main() -> None:
     causal = bool(args.causal)
     window = None if args.window is None else (args.window, 0)
     cap = args.logit_soft_cap
-    attend = {} if cap is not None else {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")}
-    for backend in args.backend or ["pallas_gpu"]:
-        attend[backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
-            q, k, v, causal=causal, window=window, logit_soft_cap=cap, backend=backend)
     results = {}
-    for name, fn in attend.items():
-        def fwd_bwd(q, k, v, do, fn=fn):
-            out, pull = jax.vjp(fn, q, k, v)
-            return (out,) + pull(do)
-
-        for mode, step, step_args in (("fwd", jax.jit(fn), (q, k, v)), ("fwd+bwd", jax.jit(fwd_bwd), (q, k, v, do))):
+    for name, fn in attention_calls(args.backend or ["pallas_gpu"], causal=causal, window=window,
+                                    logit_soft_cap=cap).items():
+        fwd, fwd_bwd = jitted_steps(fn)
+        for mode, step, step_args in (("fwd", fwd, (q, k, v)), ("fwd+bwd", fwd_bwd, (q, k, v, do))):
             try:
                 jax.block_until_ready(step(*step_args))  # compile and warm up outside the measurements
             except NotImplementedError as e:  # cuDNN refuses some lengths (T4001): the others still run

@@ -51,6 +51,27 @@ def _parse(variant: str, module) -> dict[str, object]:
     return {name: value(v) for name, v in (item.split("=") for item in variant.split(","))}
 
 
+def jitted_steps(fn):
+    """(jit(fn), jit(fwd_bwd)) of an attention fn(q, k, v); fwd_bwd(q, k, v, do) returns
+    (out, dq, dk, dv) for the output cotangent do."""
+    def fwd_bwd(q, k, v, do):
+        out, pull = jax.vjp(fn, q, k, v)
+        return (out,) + pull(do)
+
+    return jax.jit(fn), jax.jit(fwd_bwd)
+
+
+def attention_calls(backends, *, causal: bool, window=None, logit_soft_cap=None) -> dict:
+    """name -> fn(q, k, v): the cuDNN anchor (jax.nn.dot_product_attention; left out with a soft
+    cap, which it lacks), then each forgeax backend by name ('default': backend=None)."""
+    calls = {} if logit_soft_cap is not None else {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")}
+    for backend in backends:
+        calls[backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
+            q, k, v, causal=causal, window=window, logit_soft_cap=logit_soft_cap, backend=backend)
+    return calls
+
+
 def rel_err(a, b) -> float:
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
@@ -92,17 +113,7 @@ def main() -> None:
         pairs -= far * (far + 1) / 2
     flops = 4.0 * B * N * H * pairs
 
-    def steps(fn):
-        fwd = jax.jit(fn)
-
-        def fwd_bwd(q, k, v, do):
-            out, pull = jax.vjp(fn, q, k, v)
-            return (out,) + pull(do)
-
-        return fwd, jax.jit(fwd_bwd)
-
-    cudnn = steps(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn"))
+    cudnn = jitted_steps(attention_calls([], causal=causal, window=window)["cudnn"])
     candidates = {"cudnn": cudnn}
     defaults = {}
     for variant in args.variant or ["default"]:
@@ -113,7 +124,7 @@ def main() -> None:
             if dataclasses.is_dataclass(defaults[name]) and isinstance(value, tuple):
                 value = type(defaults[name])(*value)  # a config dataclass from its fields in order
             setattr(module, name, value)
-        fns = steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, window=window, backend=args.backend))
+        fns = jitted_steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, window=window, backend=args.backend))
         # Trace + compile now, while the constants hold this variant's values.
         try:
             jax.block_until_ready(fns[0](q, k, v))
