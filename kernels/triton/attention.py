@@ -485,6 +485,9 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
             dv = tl.zeros([BN1, HVP], dtype=tl.float32)
             # One loop, every tile position-masked: with separate masked/unmasked loops over the
             # same dk/dv accumulators ptxas serialises the wgmmas (C7515, seen at H=64 and 128).
+            # Masking only the tiles the band or a tail crosses through a runtime branch in the
+            # loop avoids C7515 but measured no faster (causal H128 within noise, H64 3% and GQA
+            # 3-5% slower; results/attention_H200_2026-11-26_triton_dkdv_mask_branch.json).
             lo, hi = _query_blocks(pid * BN1, BM1, BN1, T, S, LEFT, RIGHT)
             if HAS_SEG:  # the queries this key block's segment ids may reach (`segment_ranges`)
                 lo = tl.maximum(lo, tl.load(KRANGE + (b * NKB + pid) * 3) // BM1 * BM1)
