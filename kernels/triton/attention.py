@@ -149,11 +149,12 @@ def _logits2(qk, t, s, b, n, BIAS, MASK, QSEG, KVSEG, T: tl.constexpr, S: tl.con
 
 
 @triton.jit
-def _key_tile(PTR, base, s, d, ROW: tl.constexpr, S: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-              MASKED: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Key rows s (row stride ROW) of a K or V head: [DP, len(s)] if TRANSPOSED else [len(s), DP],
-    zeros past S and past D. Unmasked blocks lie below S (`_key_blocks`): their loads take no
-    mask when DP == D (see `_fwd_kernel`'s Q load for why row masks matter)."""
+def _head_rows(PTR, base, s, d, ROW: tl.constexpr, S: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+               MASKED: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Rows s (row stride ROW, S of them) of one head of Q, K, V or dO: [DP, len(s)] if
+    TRANSPOSED else [len(s), DP], zeros past S and past D. MASKED=False where every row lies
+    below S (unmasked key blocks, `_key_blocks`): the load then takes no mask when DP == D (see
+    `_fwd_kernel`'s Q load for why row masks matter)."""
     if TRANSPOSED:
         offsets = s[None, :] * ROW + d[:, None]
         inside = (s[None, :] < S) & (d[:, None] < D)
@@ -242,7 +243,7 @@ def _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS
     s = start + tl.arange(0, BN)
     hk = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
-    kt = _key_tile(K, k_base, s, hk, KH * H, S, H, HP, MASKED, True)
+    kt = _head_rows(K, k_base, s, hk, KH * H, S, H, HP, MASKED, True)
     z, th = _logits2(_dot(q, kt, DOT), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE,
                      CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
     m_new = tl.maximum(m_i, tl.max(z, 1))
@@ -252,7 +253,7 @@ def _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROP:
         p = tl.where(_keep(h_bn, t[:, None], s[None, :], THRESH), p, 0.0)
-    vt = _key_tile(V, v_base, s, hv, KH * HV, S, HV, HVP, MASKED, False)
+    vt = _head_rows(V, v_base, s, hv, KH * HV, S, HV, HVP, MASKED, False)
     acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, DOT)
     return acc, m_new, l_i
 
@@ -278,7 +279,7 @@ def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, O, LSE,
     v_base = b.to(tl.int64) * (S * KH * HV) + kh * HV
     # Rows past T read row T - 1 (their outputs are not stored) rather than take a row mask. At
     # T, S not multiples of 32 the row masks (this one, kept live through the loop, and the K/V
-    # loads' in unmasked blocks, `_key_tile`) cost ptxas's schedule: the soft-capped forward ran
+    # loads' in unmasked blocks, `_head_rows`) cost ptxas's schedule: the soft-capped forward ran
     # 1.35-1.39x as long as at T 4000 at the same clock (ncu: more dependency stalls), 2.69 ms at
     # T 4008; without them 2.06 (T 4016 1.82, T 4000 1.89; H200,
     # results/attention_H200_2026-11-26_triton_odd_lengths.json).
@@ -374,12 +375,8 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
                BM: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
     """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]."""
     t = start + tl.arange(0, BM)
-    h = tl.arange(0, HP)
-    hv = tl.arange(0, HVP)
-    q_base = b.to(tl.int64) * (T * N * H) + n * H
-    qt = tl.load(Q + q_base + t[None, :] * (N * H) + h[:, None], mask=(t[None, :] < T) & (h[:, None] < H), other=0.0)
-    do_base = b.to(tl.int64) * (T * N * HV) + n * HV
-    do = tl.load(DO + do_base + t[:, None] * (N * HV) + hv[None, :], mask=(t[:, None] < T) & (hv[None, :] < HV), other=0.0)
+    qt = _head_rows(Q, b.to(tl.int64) * (T * N * H) + n * H, t, tl.arange(0, HP), N * H, T, H, HP, True, True)
+    do = _head_rows(DO, b.to(tl.int64) * (T * N * HV) + n * HV, t, tl.arange(0, HVP), N * HV, T, HV, HVP, True, False)
     lse2, d = _row_stats(LSE, DELTA, b * N + n, t, T)
     zt, tht = _logits2(_dot(k, qt, DOT), t[None, :], s[:, None], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
                        LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
@@ -402,12 +399,8 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
 def _query_tile(Q, DO, LSE, DELTA, b, n, t, T: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
                 HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr):
     """(q, dout, lse2, D) of queries t of head n in batch b, zeros past T (`_row_stats`)."""
-    h = tl.arange(0, HP)
-    hv = tl.arange(0, HVP)
-    q_base = b.to(tl.int64) * (T * N * H) + n * H
-    q = tl.load(Q + q_base + t[:, None] * (N * H) + h[None, :], mask=(t[:, None] < T) & (h[None, :] < H), other=0.0)
-    do_base = b.to(tl.int64) * (T * N * HV) + n * HV
-    do = tl.load(DO + do_base + t[:, None] * (N * HV) + hv[None, :], mask=(t[:, None] < T) & (hv[None, :] < HV), other=0.0)
+    q = _head_rows(Q, b.to(tl.int64) * (T * N * H) + n * H, t, tl.arange(0, HP), N * H, T, H, HP, True, False)
+    do = _head_rows(DO, b.to(tl.int64) * (T * N * HV) + n * HV, t, tl.arange(0, HVP), N * HV, T, HV, HVP, True, False)
     lse2, d = _row_stats(LSE, DELTA, b * N + n, t, T)
     return q, do, lse2, d
 
@@ -425,8 +418,8 @@ def _dz_tile(q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, M
     s = start + tl.arange(0, BN)
     h = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
-    kt = _key_tile(K, k_base, s, h, KH * H, S, H, HP, MASKED, True)
-    vt = _key_tile(V, v_base, s, hv, KH * HV, S, HV, HVP, MASKED, True)
+    kt = _head_rows(K, k_base, s, h, KH * H, S, H, HP, MASKED, True)
+    vt = _head_rows(V, v_base, s, hv, KH * HV, S, HV, HVP, MASKED, True)
     z, th = _logits2(_dot(q, kt, DOT), t[:, None], s[None, :], b, n, BIAS, MASK, QSEG, KVSEG, T, S, SCALE, CAP,
                      LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, MASKED)
     p = tl.math.exp2(z - lse2[:, None])
