@@ -51,7 +51,7 @@ window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
     Triton's fused kernel on the GPU (XLA's chunked backward in interpret mode); the forward
     uses this kernel.
   * dq is not fused into the dK/dV kernel: FA3-style one-pass variants (f32 dq accumulated by
-    TMA reduce-adds) measured slower on an H200, twice (see `_dkv`).
+    TMA reduce-adds) measured slower on an H200, three times (see `_dkv`).
 
 Interpret mode (FORGEAX_INTERPRET / interpret_mode()): the interpreter cannot run wgmma with a
 register LHS nor `run_state` with `ACC.init` (notes/MOSAIC_GPU.md §8), so there the 16-bit
@@ -144,10 +144,6 @@ _DELTA_IN_DQ_KERNEL = True
 # at H = 64 2.745 against 2.960 ms; at H = 128 no faster (4.426 against 4.427 ms; GQA 4.264 against
 # 4.228), where ptxas spills 76 bytes in it.
 _DKV_FA3_ORDER_HEAD_DIMS = (64,)
-# One-pass backward (`_dkv_dq`) for calls that need not be bitwise reproducible.
-_ONE_PASS_HEAD_DIMS = (128,)
-_ONE_PASS_NO_REDUCE = 0  # EXPERIMENT knobs (wrong results): timing without the dq reduce / the sync
-_ONE_PASS_NO_SYNC = 0
 # Overlapping the softmax's exp2s with the step's second fresh wgmma (wait for q k^T only, compute
 # p while dO v^T runs, in the dQ kernel and in FA3's dK/dV order at H = 128) was built and A/B
 # tested on three H200s (results/attention_H200_2026-11-26_backward_overlap.json): fwd+bwd 1-4%
@@ -328,10 +324,6 @@ class _Band:
         off = tails.S - tails.T  # rows are keys, columns queries: t - s in [-off - right, -off + left]
         return _Band(None if spec.right is None else -off - spec.right,
                      None if spec.window_left is None else -off + spec.window_left)
-
-    def transposed(self) -> "_Band":
-        """The same rule with rows and columns swapped (no column limit)."""
-        return _Band(None if self.b is None else -self.b, None if self.a is None else -self.a)
 
     @property
     def masks(self) -> bool:
@@ -535,25 +527,6 @@ class _Mma:
             return tuple(ref[...] for ref in refs)
 
         return pl.run_scoped(run, *[plgpu.ACC(shape, _F32) for _ in products])
-
-    def sums(self, items, products, shape):
-        """([acc + a @ b for (acc, a, b) in items], sum of a @ b over products), SMEM operands:
-        on the GPU all issued before one wait."""
-        if self.interpret:
-            total = None
-            for a, b in products:
-                total = self(a, b, shape, acc=total)
-            return [self(a, b, acc.shape, acc=acc) for acc, a, b in items], total
-
-        def run(refs):
-            acc_refs, total_ref = refs
-            for ref, (_, a, b) in zip(acc_refs, items):
-                plgpu.wgmma(ref, a, b)
-            for a, b in products:
-                plgpu.wgmma(total_ref, a, b)
-
-        accs, total = pl.run_state(run)((tuple(plgpu.ACC.init(acc) for acc, _, _ in items), plgpu.ACC.init(_zeros(shape))))
-        return list(accs), total
 
     def update(self, items):
         """[acc + a @ b for (acc, a, b) in items], a in registers: on the GPU all issued before one wait."""
@@ -1040,8 +1013,13 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     cross-warpgroup barrier) against 4.22; and, redone with both warpgroups' ds in SMEM, each
     warpgroup reducing half of dq's columns and reusing its SMEM once the TMA had read it
     (not once the global write was done), 4.75-4.80 against 4.46-4.49 ms (ptxas spilled 376-432
-    bytes there; results/attention_H200_one_pass_tma_reduce.json). So dq stays a separate,
-    deterministic kernel.
+    bytes there; results/attention_H200_one_pass_tma_reduce.json). A third, in FA3's orientation
+    (queries x keys scores, so lse and delta take 2 registers, not 16; p and ds through SMEM as
+    transposed A operands; half of dq's columns per warpgroup from both warpgroups' ds, one sync
+    per step), was correct but took 3.89-3.94 ms against 2.95 for these two kernels (ptxas spilled
+    396-460 bytes of SMEM addresses); without the reduce-adds and the sync (wrong results) still
+    2.97 ms (commit 8589a0f, results/attention_H200_2026-11-26_one_pass_fa3_orientation.json).
+    So dq stays a separate, deterministic kernel.
     """
     B, _, N, H = q.shape
     K = k.shape[2]
@@ -1178,182 +1156,6 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     kv_type = jax.ShapeDtypeStruct(k.shape, dt)
     return _launch("attention_dkv", kernel, scratch, bars, (kv_type, kv_type), schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
-
-
-def _dkv_dq(q, k, v, do, lse2, delta, spec, tails: _Tails):
-    """(dk, dv [B, S, K, H], dq [B, T, N, H] f32 without the scale) in one pass: 5 matmuls per step.
-
-    Like `_dkv` (one CTA per 128 keys of one (b, kv head), WG w owns keys [64 w, 64 w + 64),
-    the producer streams 64-query blocks), but the scores are laid out queries x keys (FA3's
-    orientation: lse and delta are 2 registers per thread, not 16), and p and ds go through SMEM:
-        s = q k_w^T, dp = dO v_w^T;  p = exp2(s - lse);  ds = p (dp - delta)     (64 x 64 each)
-        p, ds -> SMEM;  both WGs sync;
-        dv_w += p^T dO;  dk_w += ds^T q;  dq[:, cols_w] = ds_0 k_0[:, cols_w] + ds_1 k_1[:, cols_w]
-    and each WG adds its 64 columns of the block's dq into an f32 dq with a TMA reduce-add
-    (not bitwise reproducible: `spec.deterministic` takes the two-kernel path). Registers: dk, dv
-    128 + s, dp 64 while the scores live, dk, dv + 32 for dq afterwards. ds is double-buffered by
-    step parity, so one sync per step keeps a WG from overwriting the ds the other still reads.
-    Interpret mode has no TMA reductions: there each CTA stores its blocks' dq into its own
-    slice of a [B, S / 128, T, N, H] array, summed over key tiles in XLA."""
-    B, Tq, N, H = q.shape
-    K = k.shape[2]
-    T, S = tails.T_padded, tails.S_padded
-    G, dt = N // K, q.dtype
-    bq, hq = 64, H // _WGS  # query rows per step; dq columns per WG
-    item = jnp.dtype(dt).itemsize
-    interpret = interpret_enabled()
-    band = _Band.keys_by_query(spec, tails)
-    qk = band.transposed()  # the mask over (queries x keys) register tiles
-    fixed = 2 * _CTA * H * item + 3 * _WGS * bq * _ROWS * item + _WGS * bq * hq * 4  # K, V, p, ds x2, dq
-    stages = _stages(2 * bq * H * item + 2 * bq * 4, fixed)
-    n_kt = S // _CTA
-
-    def tile_at(t) -> _Tile:
-        return _Tile.of(t, (K, n_kt, B), band, bq, T, last_first=False)
-
-    persistent = H in _PERSISTENT_DKV_HEAD_DIMS and spec.window_left is None
-    schedule = _Schedule.of(lambda t: G * tile_at(t).steps, (K, n_kt, B), persistent, interpret)
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, dq_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem,
-               kv_bar, loaded, free, both):
-        wg = lax.axis_index("wg")
-        ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
-        steps_of = lambda t: G * tile_at(t).steps
-
-        def consumers_sync():
-            if _ONE_PASS_NO_SYNC:
-                return
-            if interpret:  # no named barriers there
-                plgpu.barrier_arrive(both)
-                plgpu.barrier_wait(both)
-            else:
-                _named_barrier("sync", _FIRST_NAMED_BARRIER, _WGS * _WG_THREADS)
-
-        @pl.when(wg < _WGS)
-        def _consumer():
-            plgpu.set_max_registers(_REGS[0], action="increase")
-            total = schedule.total(table_ref, steps_of)
-            ring.prime(total)
-            k_s, v_s = k_smem.at[wg], v_smem.at[wg]
-            p_s, dq_s = p_smem.at[wg], dq_smem.at[wg]
-            cols = pl.ds(pl.multiple_of(wg * hq, hq), hq)
-            mma = _Mma(interpret)
-
-            def one_tile(kk, t, base):
-                tl = tile_at(t)
-                keys = tl.r0 + wg * _ROWS
-                per_head = tl.steps
-                gk = (tl.b, pl.ds(keys, _ROWS), tl.n)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
-                plgpu.copy_gmem_to_smem(k_ref.at[gk], k_s, kv_bar.at[wg])
-                plgpu.copy_gmem_to_smem(v_ref.at[gk], v_s, kv_bar.at[wg])
-                for w in range(_WGS):  # dq reads both WGs' keys
-                    plgpu.barrier_wait(kv_bar.at[w])
-
-                def head(g, carry):
-                    n = tl.n * G + g
-
-                    def step(j, carry, masked):
-                        dk, dv = carry
-                        i = base + g * per_head + j - tl.lo
-                        slot = lax.rem(i, _i32(stages))
-                        ds_pair = ds_smem.at[lax.rem(i, _i32(2))]
-                        plgpu.barrier_wait(loaded.at[slot])
-                        q_b, do_b = q_smem.at[slot], do_smem.at[slot]
-                        s, dp = mma.fresh([(q_b, k_s.transpose((1, 0))), (do_b, v_s.transpose((1, 0)))], (bq, _ROWS))
-                        s, c = _scores(s, spec)
-                        lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-                        p = _exp2(s, c, _bcast(lse, s.shape, 0))
-                        if masked:
-                            p = jnp.where(qk.mask(j * bq, keys, s.shape), p, 0.0)
-                        dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-                        ds = p * (dp - _bcast(dl, s.shape, 0))
-                        if spec.logit_soft_cap is not None:
-                            ds = ds * _cap_grad(s, spec)
-                        p_s[...] = p.astype(dt)
-                        ds_pair.at[wg][...] = ds.astype(dt)
-                        plgpu.commit_smem()
-                        consumers_sync()  # both WGs' ds of this step are in SMEM
-                        (dv, dk), dq = mma.sums(
-                            [(dv, p_s.transpose((1, 0)), do_b), (dk, ds_pair.at[wg].transpose((1, 0)), q_b)],
-                            [(ds_pair.at[w], k_smem.at[w, :, cols]) for w in (wg, 1 - wg)], (bq, hq))
-                        ring.release(slot, i, total)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's dq has left dq_s
-                        dq_s[...] = dq
-                        plgpu.commit_smem()
-                        rows = pl.ds(j * bq, bq)
-                        if _ONE_PASS_NO_REDUCE:
-                            pass
-                        elif interpret:  # this key tile's own slice
-                            plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[tl.b, lax.div(tl.r0, _CTA), rows, n, cols])
-                        else:
-                            plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[tl.b, rows, n, cols], reduction_op="add")
-                        return dk, dv
-
-                    return _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band)
-
-                dk, dv = lax.fori_loop(0, G, head, (_zeros((_ROWS, H)), _zeros((_ROWS, H))))
-                consumers_sync()  # the other WG's last dq wgmma has read k_s
-                # The results go out through the K/V buffers (every wgmma reading them is done).
-                for acc, buf, out_ref in ((dk * spec.scale, k_s, dk_ref), (dv, v_s, dv_ref)):
-                    buf[...] = acc.astype(dt)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(buf, out_ref.at[gk])
-                return base + G * per_head
-
-            schedule.run(table_ref, one_tile)
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == _WGS)
-        def _producer():
-            plgpu.set_max_registers(_REGS[1], action="decrease")
-
-            def one_tile(kk, t, base):
-                tl = tile_at(t)
-                per_head = jnp.maximum(tl.steps, 1)
-
-                def load(i, c):
-                    slot = lax.rem(base + i, _i32(stages))
-                    n = tl.n * G + lax.div(i, per_head)
-                    t0 = (tl.lo + lax.rem(i, per_head)) * bq
-                    ring.acquire(slot, base + i)
-                    rows = (tl.b, pl.ds(t0, bq), n)
-                    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
-                    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
-                    plgpu.copy_gmem_to_smem(lse_ref.at[tl.b, n, pl.ds(t0, bq)], lse_smem.at[slot], loaded.at[slot])
-                    plgpu.copy_gmem_to_smem(delta_ref.at[tl.b, n, pl.ds(t0, bq)], delta_smem.at[slot], loaded.at[slot])
-                    return c
-
-                lax.fori_loop(0, G * tl.steps, load, None)
-                return base + G * tl.steps
-
-            schedule.run(table_ref, one_tile)
-
-    tr = _transforms(dt)
-    scratch = [
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((stages, bq, H), dt, transforms=tr),
-        plgpu.SMEM((stages, bq, H), dt, transforms=tr),
-        plgpu.SMEM((stages, bq), _F32),
-        plgpu.SMEM((stages, bq), _F32),
-        plgpu.SMEM((_WGS, bq, _ROWS), dt, transforms=tr),
-        plgpu.SMEM((2, _WGS, bq, _ROWS), dt, transforms=tr),
-        plgpu.SMEM((_WGS, bq, hq), _F32),
-    ]
-    bars = [
-        plgpu.Barrier(num_arrivals=2, num_barriers=_WGS),
-        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_WGS),
-    ]
-    kv_type = jax.ShapeDtypeStruct(k.shape, dt)
-    call = _launch("attention_dkv_dq", kernel, scratch, bars, (kv_type, kv_type), schedule, interpret)
-    # The kernel reduces dq into a zeroed f32 array it takes as a mutable ref.
-    dq_ref = jax.new_ref(jnp.zeros((B, n_kt, Tq, N, H) if interpret else (B, Tq, N, H), _F32))
-    dk, dv = call(q, k, v, do, lse2, delta, schedule.input(), dq_ref)
-    dq = dq_ref[...]
-    return dk, dv, dq.sum(axis=1) if interpret else dq
 
 
 def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: _Tails, *,
@@ -1526,12 +1328,6 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     q, k, v = tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v)
     out, dout = tails.tma_rows(out.astype(dt)), tails.tma_rows(dout.astype(dt))
     segments = tails.ids(q_segment_ids, kv_segment_ids)
-    T, S = tails.T, tails.S
-    if H in _ONE_PASS_HEAD_DIMS and not spec.deterministic and q_segment_ids is None:
-        rows = slice(0, T)
-        delta = jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(_F32), out[:, rows].astype(_F32)) - dlse
-        dk, dv, dq = _dkv_dq(q, k, v, dout, lse2, tails.row_stats(delta), spec, tails)
-        return (dq[:, :T] * spec.scale).astype(dt), dk[:, :S], dv[:, :S], None
     if _DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None:
         dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
     else:
@@ -1540,6 +1336,7 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         delta = tails.row_stats(delta)
         (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
     dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
+    T, S = tails.T, tails.S
     return dq[:, :T], dk[:, :S], dv[:, :S], None
 
 
