@@ -19,9 +19,10 @@ from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 # mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 its fwd+bwd was
 # faster than pallas_gpu's on every shape of benchmarks/results/attention_H200_overlapped_forward.json
 # (causal B4 T4096 N32 H128: 4.07 vs 4.41 ms; non-causal 7.20 vs 8.00; GQA 3.79 vs 4.31; H64 2.60
-# vs 2.84; H256 2.46 vs 5.50), though pallas_gpu's forward alone is faster at head_dim 128 causal
-# (0.985 vs 1.052 ms). Mosaic GPU next (it beat Triton on every shape), then Triton, which
-# covers every feature.
+# vs 2.84; H256 2.46 vs 5.50, and 2.48 vs 3.04 since pallas_gpu's own head_dim-256 backward,
+# results/attention_H200_2026-11-26_h256_backward.json), though pallas_gpu's forward alone is
+# faster at head_dim 128 causal (0.985 vs 1.052 ms). Mosaic GPU next (it beat Triton on every
+# shape), then Triton, which covers every feature.
 _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
 
 

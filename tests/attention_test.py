@@ -134,6 +134,29 @@ def test_head_dim_128_multi_block(backend, case, deterministic):
     _check(backend, args, dict(kwargs, deterministic=deterministic))
 
 
+# head_dim 256: pallas_gpu's backward launches dK and dV separately (32- and 64-query blocks) and
+# streams 32-key blocks in dQ, each its own tiling; multi-block on the GPU, one CPU case (interpreted).
+H256_CASES = {
+    "causal": (1024, 1024, dict(causal=True)),
+    "full_T<S_unaligned": (520, 1000, dict()),
+    "soft_cap": (768, 768, dict(causal=True, logit_soft_cap=30.0)),
+    "window": (1024, 1024, dict(causal=True, window=(300, 0))),
+    "packed": (1024, 1024, dict(causal=True, segment_ids=(_documents(2, 1024, 200, 1),) * 2)),
+}
+
+
+@pytest.mark.parametrize("case", H256_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_dim_256_multi_block(backend, case):
+    T, S, kwargs = H256_CASES[case]
+    if ON_CPU:
+        if case != "soft_cap" or backend != "pallas_gpu":
+            pytest.skip("GPU only: the interpreters run one small head_dim-256 case (pallas_gpu)")
+        T = S = 256
+    args = _qkv(1 if ON_CPU else 2, T, S, 4 if ON_CPU else 8, 2, 256, jnp.bfloat16, seed=T + 7 * S)
+    _check(backend, args, kwargs)
+
+
 # pallas_gpu's persistent kernels (the forward and, without a left window, dK/dV; on at head_dim
 # 64 and 128, see _PERSISTENT_HEAD_DIMS and _PERSISTENT_DKV_HEAD_DIMS): more tiles than the GPU
 # has SMs, so CTAs run several tiles each from the balanced table (the interpreter runs them with

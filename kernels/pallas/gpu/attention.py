@@ -47,9 +47,11 @@ window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
     streamed by the producer WG (Q, dO, lse, delta per ring slot):
         pT = exp2(s^T - lse);  dv += pT dO;  dpT = v dO^T;  dsT = pT (dpT - delta);  dk += dsT q
     dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
-  * H = 256: dk + dv would need 256 accumulator registers per thread, so the H = 256 backward is
-    Triton's fused kernel on the GPU (XLA's chunked backward in interpret mode); the forward
-    uses this kernel.
+  * H = 256: dk + dv would need 256 accumulator registers per thread, so dk and dv take a
+    launch each of the dK/dV kernel (dk with 32-query blocks, as it also needs V; dv with 64),
+    and the dQ kernel streams 32-key blocks beside its 128 KB of Q and dO (delta from XLA): 8
+    matmuls per block instead of 7, in 1.98 ms against 4.82 for Triton's fused backward, which
+    ran this head size before (B2 T4096 N16 causal, H200; with a soft cap 2.14 against 5.29).
   * dq is not fused into the dK/dV kernel: FA3-style one-pass variants (f32 dq accumulated by
     TMA reduce-adds) measured slower on an H200, three times (see `_dkv`).
 
@@ -90,7 +92,9 @@ _WGS = 2  # consumer warpgroups per CTA
 _CTA = _ROWS * _WGS
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 256)
-_BWD_MAX_H = 128
+# Head dims whose backward runs here (others: Triton's fused backward). At H = 256 the dK and dV
+# accumulators take a launch each (`_dkv`) and dQ streams 32-key blocks (`_dq`).
+_BWD_HEAD_DIMS = (64, 128, 256)
 _SMEM_BUDGET = 200 * 1024
 # Forward schedule (measured on an H200, causal B4 T4096 N32 H128, benchmarks/tune_attention.py,
 # results/attention_H200_forward_schedules.json): FA3's intra-warpgroup overlap (softmax of block j
@@ -606,13 +610,19 @@ def _stages(per_stage: int, fixed: int, cap: int = 3) -> int:
     return max(2, min(cap, (_SMEM_BUDGET - fixed) // per_stage))
 
 
+def _block_transforms(dt, blk: int):
+    """SMEM transforms of buffers whose `blk` rows or columns are a wgmma K block: 128-byte
+    swizzle, 64-byte for 32-wide blocks (see `_transforms`)."""
+    return _transforms(dt, min(128, blk * jnp.dtype(dt).itemsize))
+
+
 def _staging_and_segment_buffers(dt, blk: int, stages: int, interpret: bool, segmented: bool) -> list:
     """The last scratch entries of every kernel here (None where the call needs none): the
     per-warpgroup (rows, blk) buffer through which interpret mode stages register-LHS wgmma
     operands (`_Mma`), the row segment ids of each warpgroup's rows, and the column segment ids
     of each ring slot's blk columns."""
     return [
-        plgpu.SMEM((_WGS, _ROWS, blk), dt, transforms=_transforms(dt)) if interpret else None,
+        plgpu.SMEM((_WGS, _ROWS, blk), dt, transforms=_block_transforms(dt, blk)) if interpret else None,
         plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
         plgpu.SMEM((stages, blk), jnp.int32) if segmented else None,
     ]
@@ -1004,8 +1014,14 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
-    """(dk, dv) [B, S, K, H]: one CTA per 128 keys of one (b, kv head), dk and dv in registers.
+def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _Tails,
+         parts: tuple[str, ...] = ("dk", "dv"), bq: int = 64):
+    """The `parts` of (dk, dv) [B, S, K, H]: one CTA per 128 keys of one (b, kv head), the
+    accumulators in registers, query blocks of `bq` rows streamed.
+
+    At H = 256 dk and dv would take 256 registers per thread together, so `_backward` launches
+    this kernel once per part: dk (which needs V too, for dpT) with 32-query blocks, dv (K only)
+    with 64, each in 128 registers and about 192 KB of SMEM.
 
     One-pass variants that also add each CTA's ds k into an f32 dq with TMA reduce-adds (5
     matmuls instead of 7, FA3-style) were built and measured slower on an H200 (causal B4 T4096
@@ -1025,13 +1041,16 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     K = k.shape[2]
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
-    bq = 64
+    want_dk, want_dv = "dk" in parts, "dv" in parts
     item = jnp.dtype(dt).itemsize
     interpret = interpret_enabled()
     segmented = q_segment_ids is not None
-    stages = _stages(2 * bq * H * item + (3 if segmented else 2) * bq * 4, 2 * _CTA * H * item)
+    # Per ring slot Q, dO, lse (and delta for dk); per tile K (and V for dk's dpT = v dO^T).
+    row_terms = (2 if want_dk else 1) + (1 if segmented else 0)
+    stages = _stages(2 * bq * H * item + row_terms * bq * 4, (2 if want_dk else 1) * _CTA * H * item)
     band = _Band.keys_by_query(spec, tails)
-    fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS
+    fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
+    fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
 
     def tile_at(t, reach=None) -> _Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
         return _Tile.of(t, (K, S // _CTA, B), band, bq, T, last_first=False, reach=reach)
@@ -1042,8 +1061,10 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     schedule = _Schedule.of(lambda t: G * tile_at(t).steps, (K, S // _CTA, B), persistent, interpret)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
-               dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage,
-               row_ids_smem, col_ids_smem, kv_bar, loaded, free):
+               *refs):
+        out_refs, refs = dict(zip(parts, refs[:len(parts)])), refs[len(parts):]
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, row_ids_smem, col_ids_smem,
+         kv_bar, loaded, free) = refs
         wg = lax.axis_index("wg")
         ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
@@ -1054,7 +1075,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
             plgpu.set_max_registers(_REGS[0], action="increase")
             total = schedule.total(table_ref, steps_of)
             ring.prime(total)
-            k_s, v_s = k_smem.at[wg], v_smem.at[wg]
+            k_s = k_smem.at[wg]
+            v_s = v_smem.at[wg] if want_dk else None
             mma = _Mma(interpret, None if stage is None else stage.at[wg])
 
             def one_tile(kk, t, base):
@@ -1064,7 +1086,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                 gk = (tl.b, pl.ds(keys, _ROWS), tl.n)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
                 plgpu.copy_gmem_to_smem(k_ref.at[gk], k_s, kv_bar.at[wg])
-                plgpu.copy_gmem_to_smem(v_ref.at[gk], v_s, kv_bar.at[wg])
+                if want_dk:
+                    plgpu.copy_gmem_to_smem(v_ref.at[gk], v_s, kv_bar.at[wg])
                 if segmented:
                     plgpu.copy_gmem_to_smem(row_ids_ref.at[gk[:2]], row_ids_smem.at[wg], kv_bar.at[wg])
                 plgpu.barrier_wait(kv_bar.at[wg])
@@ -1072,12 +1095,12 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
 
                 def head(g, carry):
                     def step(j, carry, masked):
-                        dk, dv = carry
+                        acc = dict(zip(parts, carry))
                         i = base + g * per_head + j - tl.lo
                         slot = lax.rem(i, _i32(stages))
                         plgpu.barrier_wait(loaded.at[slot])
                         q_t, do_t = q_smem.at[slot].transpose((1, 0)), do_smem.at[slot].transpose((1, 0))
-                        if fa3_order:
+                        if fresh_pair:
                             st, dpt = mma.fresh([(k_s, q_t), (v_s, do_t)], (_ROWS, bq))
                             st, c = _scores(st, spec)
                         else:
@@ -1087,27 +1110,31 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                         if masked:
                             col_ids = _segment_ids(col_ids_smem, slot, 0)
                             pt = jnp.where(_allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
-                        if not fa3_order:
-                            dv, dpt = mma.two(dv, pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
-                        dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                        dst = pt * (dpt - _bcast(dl, st.shape, 1))
-                        if spec.logit_soft_cap is not None:
-                            dst = dst * _cap_grad(st, spec)
-                        if fa3_order:
-                            dv, dk = mma.update([(dv, pt.astype(dt), do_smem.at[slot]), (dk, dst.astype(dt), q_smem.at[slot])])
-                        else:
-                            dk = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=dk, a_in_regs=True)
+                        if not want_dk:
+                            acc["dv"] = mma(pt.astype(dt), do_smem.at[slot], (_ROWS, H), acc=acc["dv"], a_in_regs=True)
+                        elif not fresh_pair:
+                            acc["dv"], dpt = mma.two(acc["dv"], pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
+                        if want_dk:
+                            dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                            dst = pt * (dpt - _bcast(dl, st.shape, 1))
+                            if spec.logit_soft_cap is not None:
+                                dst = dst * _cap_grad(st, spec)
+                            if fa3_order:
+                                acc["dv"], acc["dk"] = mma.update([(acc["dv"], pt.astype(dt), do_smem.at[slot]),
+                                                                   (acc["dk"], dst.astype(dt), q_smem.at[slot])])
+                            else:
+                                acc["dk"] = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=acc["dk"], a_in_regs=True)
                         ring.release(slot, i, total)
-                        return dk, dv
+                        return tuple(acc[name] for name in parts)
 
                     return _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
 
-                dk, dv = lax.fori_loop(0, G, head, (_zeros((_ROWS, H)), _zeros((_ROWS, H))))
+                accs = lax.fori_loop(0, G, head, tuple(_zeros((_ROWS, H)) for _ in parts))
                 # The results go out through the K/V buffers (every wgmma reading them is done).
-                for acc, buf, out_ref in ((dk * spec.scale, k_s, dk_ref), (dv, v_s, dv_ref)):
-                    buf[...] = acc.astype(dt)
+                for name, acc, buf in zip(parts, accs, (k_s, v_s)):
+                    buf[...] = (acc * spec.scale if name == "dk" else acc).astype(dt)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(buf, out_ref.at[gk])
+                    plgpu.copy_smem_to_gmem(buf, out_refs[name].at[gk])
                 return base + G * per_head
 
             schedule.run(table_ref, one_tile)
@@ -1130,7 +1157,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
                     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
                     plgpu.copy_gmem_to_smem(lse_ref.at[tl.b, n, pl.ds(t0, bq)], lse_smem.at[slot], loaded.at[slot])
-                    plgpu.copy_gmem_to_smem(delta_ref.at[tl.b, n, pl.ds(t0, bq)], delta_smem.at[slot], loaded.at[slot])
+                    if want_dk:
+                        plgpu.copy_gmem_to_smem(delta_ref.at[tl.b, n, pl.ds(t0, bq)], delta_smem.at[slot], loaded.at[slot])
                     if segmented:
                         plgpu.copy_gmem_to_smem(col_ids_ref.at[rows[:2]], col_ids_smem.at[slot], loaded.at[slot])
                     return c
@@ -1140,27 +1168,30 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
 
             schedule.run(table_ref, one_tile)
 
-    tr = _transforms(dt)
+    tr = _block_transforms(dt, bq)  # one swizzle for every wgmma operand; 32-query blocks need 64 B
 
     scratch = [
         plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr) if want_dk else None,
         plgpu.SMEM((stages, bq, H), dt, transforms=tr),
         plgpu.SMEM((stages, bq, H), dt, transforms=tr),
         plgpu.SMEM((stages, bq), _F32),
-        plgpu.SMEM((stages, bq), _F32),
+        plgpu.SMEM((stages, bq), _F32) if want_dk else None,
         *_staging_and_segment_buffers(dt, bq, stages, interpret, segmented),
     ]
-    # Tile copies: K, V; slot copies: Q, dO, lse, delta.
-    bars = _backward_barriers(tile_copies=2, slot_copies=4, stages=stages, segmented=segmented)
+    # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
+    bars = _backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
+                              segmented=segmented)
     kv_type = jax.ShapeDtypeStruct(k.shape, dt)
-    return _launch("attention_dkv", kernel, scratch, bars, (kv_type, kv_type), schedule, interpret)(
+    name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
+    return _launch(name, kernel, scratch, bars, tuple(kv_type for _ in parts), schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
 
 
 def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: _Tails, *,
         fused_delta: bool):
-    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_DQ_BLOCK_KV` streamed.
+    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_DQ_BLOCK_KV` streamed
+    (32 at H = 256, where the tile's Q and dO take 128 KB of SMEM: two 32-key stages fit beside them).
 
     fused_delta: row_term is dlse, and delta = rowsum(dO * O) - dlse is computed here for the
     CTA's own rows before its loop and returned too, (dq, delta [B, N, T] f32), for the dK/dV
@@ -1171,8 +1202,8 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     K = k.shape[2]
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
-    bkv = _DQ_BLOCK_KV
-    assert bkv >= _CTA, "the O rows of a tile go through one K ring slot"
+    bkv = _DQ_BLOCK_KV if H <= 128 else 32
+    assert bkv >= _CTA or not fused_delta, "the O rows of a tile go through one K ring slot"
     item = jnp.dtype(dt).itemsize
     segmented = q_segment_ids is not None
     assert not (segmented and fused_delta), "the O rows' ring use has no segment ids copy"
@@ -1286,7 +1317,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
             schedule.run(table_ref, one_tile)
 
-    tr = _transforms(dt)
+    tr = _block_transforms(dt, bkv)  # one swizzle for every wgmma operand; 32-key blocks need 64 B
 
     scratch = [
         plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
@@ -1308,11 +1339,9 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
     H = q.shape[3]
-    if H > _BWD_MAX_H:
-        # dk + dv for H = 256 need 256 accumulator registers per thread (see module docstring):
-        # the backward of this head size is Triton's fused kernel on the GPU (measured on an
-        # H200 at B2 T4096 N16 causal: about 4.8 ms against about 36 ms for XLA's chunked backward), and
-        # XLA's chunked backward in interpret mode (Triton's interpreter needs its own process).
+    if H not in _BWD_HEAD_DIMS:
+        # Triton's fused backward on the GPU, XLA's chunked backward in interpret mode (Triton's
+        # interpreter needs its own process).
         args = (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec)
         if interpret_enabled():
             return chunked_backward(*args)
@@ -1328,14 +1357,18 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     q, k, v = tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v)
     out, dout = tails.tma_rows(out.astype(dt)), tails.tma_rows(dout.astype(dt))
     segments = tails.ids(q_segment_ids, kv_segment_ids)
-    if _DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None:
+    if _DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None and H <= 128:
         dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
     else:
         rows = slice(0, tails.T)
         delta = jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(_F32), out[:, rows].astype(_F32)) - dlse
         delta = tails.row_stats(delta)
         (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
-    dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
+    if H <= 128:
+        dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
+    else:  # one accumulator per launch (`_dkv`)
+        (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",), bq=32)
+        (dv,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dv",), bq=64)
     T, S = tails.T, tails.S
     return dq[:, :T], dk[:, :S], dv[:, :S], None
 
