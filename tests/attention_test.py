@@ -157,10 +157,11 @@ def test_head_dim_256_multi_block(backend, case):
     _check(backend, args, kwargs)
 
 
-# pallas_gpu's persistent kernels (the forward and, without a left window, dK/dV; on at head_dim
-# 64 and 128, see _PERSISTENT_HEAD_DIMS and _PERSISTENT_DKV_HEAD_DIMS): more tiles than the GPU
-# has SMs, so CTAs run several tiles each from the balanced table (the interpreter runs them with
-# 2 CTAs on small shapes; test_head_dim_128_multi_block covers 128). The check covers dq, dk, dv.
+# pallas_gpu's persistent kernels (the forward at head_dim 64 and 128, dK/dV without a left window,
+# dQ at head_dim 256; see _PERSISTENT_HEAD_DIMS, _PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS):
+# more tiles than the GPU has SMs (16 x 8 kv heads x 2 batches of 128 keys at S = 2048), so CTAs
+# run several tiles each from the balanced table (the interpreter runs them with 2 CTAs on small
+# shapes). The check covers dq, dk, dv.
 PERSISTENT_CASES = {
     "causal": (2048, 2048, dict(causal=True)),
     "full_T<S": (1024, 2048, dict()),
@@ -170,10 +171,11 @@ PERSISTENT_CASES = {
 
 
 @pytest.mark.skipif(ON_CPU or "pallas_gpu" not in BACKENDS, reason="GPU only: hundreds of tiles")
+@pytest.mark.parametrize("H", [64, 256])
 @pytest.mark.parametrize("case", PERSISTENT_CASES)
-def test_pallas_gpu_persistent(case):
+def test_pallas_gpu_persistent(case, H):
     T, S, kwargs = PERSISTENT_CASES[case]
-    _check("pallas_gpu", _qkv(2, T, S, 16, 4, 64, jnp.bfloat16, seed=T + 5 * S), kwargs)
+    _check("pallas_gpu", _qkv(2, T, S, 16, 8, H, jnp.bfloat16, seed=T + 5 * S + H), kwargs)
 
 
 # pallas_gpu runs lengths that are not multiples of 128 over whole tiles of the arrays in place:

@@ -38,10 +38,11 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
 
 Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except under a left
 window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
-  * dQ kernel: one CTA = 128 query rows of one (b, n), consumers own 64 rows, the producer
-    streams the tile's O rows, then K/V blocks of `_DQ_BLOCK_KV` keys:
+  * dQ kernel (persistent at H = 256, `_PERSISTENT_DQ_HEAD_DIMS`): a tile = 128 query rows of
+    one (b, n), consumers own 64 rows, the producer streams the tile's O rows, then K/V blocks
+    of `_DQ_BLOCK_KV` keys:
         delta = rowsum(dO * O) - dlse;  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
-  * dK/dV kernel (persistent at H = 64 and 128 without a left window, `_PERSISTENT_DKV_HEAD_DIMS`):
+  * dK/dV kernel (persistent without a left window, `_PERSISTENT_DKV_HEAD_DIMS`):
     tiles of 128 keys of one (b, kv head); each consumer WG owns 64 keys (K, V in SMEM), loops
     over the G query heads of its group and the query blocks (64 rows) that see its keys,
     streamed by the producer WG (Q, dO, lse, delta per ring slot):
@@ -128,9 +129,12 @@ _PERSISTENT_HEAD_DIMS = (64, 128)
 # H = 64 0.999 against 1.094, non-causal 3.399 against 3.477, but with window 4096 at T16384 3.374
 # against 3.062 (spills 188 against 208 bytes): persistent except with a left window. dQ 1.182
 # against 1.197 while delta was a separate reduction, but 1.419 against 1.224 once the dQ kernel
-# computes delta (spills 268 against 116 bytes), so dQ stays one CTA per tile.
-_PERSISTENT_DKV_HEAD_DIMS = (64, 128)
-_PERSISTENT_DQ_HEAD_DIMS = ()
+# computes delta (spills 268 against 116 bytes), so dQ stays one CTA per tile there. At H = 256
+# (delta from XLA, see `_dq`) persistent measured faster for all three kernels on an H200 (B2 T4096
+# N16 causal, CUPTI ms against one CTA per tile: dk 0.755 / 0.819, dv 0.423 / 0.461, dq 0.682 /
+# 0.728; fwd+bwd 2.644 against 2.734 ms, results/attention_H200_2026-11-26_h256_persistent.json).
+_PERSISTENT_DKV_HEAD_DIMS = (64, 128, 256)
+_PERSISTENT_DQ_HEAD_DIMS = (256,)
 # Keys per step of the dQ kernel (wgmma N of q k^T and dO v^T; at least 128, since a tile's O rows
 # go through one K slot). 128 measured 0.3-2.4% faster fwd+bwd than 64 on every issue shape tried on
 # an H200 (results/attention_H200_dq_block_kv.json), and 1.182 against 1.292 ms for a persistent dQ
