@@ -35,7 +35,7 @@ MODULES = {"pallas_gpu": "forgeax.kernels.pallas.gpu.attention", "triton": "forg
 
 
 def _parse(variant: str, module) -> dict[str, object]:
-    """'NAME=1,OTHER=240:24,NONE=()' -> {NAME: 1, OTHER: (240, 24), NONE: ()}; 'source=PATH':
+    """'NAME=1,OTHER=240:24,ONE=256:,NONE=()' -> {NAME: 1, OTHER: (240, 24), ONE: (256,), NONE: ()}; 'source=PATH':
     every function of the backend module replaced by its namesake in the Python file PATH (an
     earlier revision of the module, say `git show REV:kernels/triton/attention.py > old.py`;
     its functions keep reading PATH's globals, so the variant is that revision's kernels)."""
@@ -48,7 +48,7 @@ def _parse(variant: str, module) -> dict[str, object]:
         spec.loader.exec_module(other)
         return {name: value for name, value in vars(other).items()
                 if callable(value) and not isinstance(value, type) and name in vars(module)}
-    value = lambda v: () if v == "()" else tuple(int(x) for x in v.split(":")) if ":" in v else int(v)
+    value = lambda v: () if v == "()" else tuple(int(x) for x in v.split(":") if x) if ":" in v else int(v)
     return {name: value(v) for name, v in (item.split("=") for item in variant.split(","))}
 
 
