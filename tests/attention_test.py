@@ -142,6 +142,8 @@ H256_CASES = {
     "soft_cap": (768, 768, dict(causal=True, logit_soft_cap=30.0)),
     "window": (1024, 1024, dict(causal=True, window=(300, 0))),
     "packed": (1024, 1024, dict(causal=True, segment_ids=(_documents(2, 1024, 200, 1),) * 2)),
+    # A per-head bias shared by the batch: Triton's dbias kernel, with its own query block at 256.
+    "bias": (1024, 1024, dict(causal=True)),
 }
 
 
@@ -153,7 +155,10 @@ def test_head_dim_256_multi_block(backend, case):
         if case != "soft_cap" or backend != "pallas_gpu":
             pytest.skip("GPU only: the interpreters run one small head_dim-256 case (pallas_gpu)")
         T = S = 256
-    args = _qkv(1 if ON_CPU else 2, T, S, 4 if ON_CPU else 8, 2, 256, jnp.bfloat16, seed=T + 7 * S)
+    N = 4 if ON_CPU else 8
+    args = _qkv(1 if ON_CPU else 2, T, S, N, 2, 256, jnp.bfloat16, seed=T + 7 * S)
+    if case == "bias":
+        args += (jnp.asarray(_rng(T).standard_normal((1, N, T, S)).astype(np.float32)),)
     _check(backend, args, kwargs)
 
 

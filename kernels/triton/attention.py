@@ -617,15 +617,19 @@ class AttentionConfig:
 # benchmarks/results/attention_H200_triton_forward_block.json). An H100 prefers 128 (same
 # benchmark, two copies of each config interleaved in one run: fwd 1.344 / 1.347 against 1.412 /
 # 1.384 ms, fwd+bwd 5.166 / 5.223 against 5.217 / 5.277;
-# benchmarks/results/attention_H100_triton_forward_block.json): `_FORWARD_KEY_BLOCK`. The others were sized with
-# ptxas -v (sm_90a) on CPU cross-lowered PTX at B4 T4096 N32 causal, not timed: 16-bit 256 uses
-# 164 KB (fwd) and 131 KB (bwd) of shared memory, no spills; f32 (tf32x3 dots) 128 spills 76 B
+# benchmarks/results/attention_H100_triton_forward_block.json): `_FORWARD_KEY_BLOCK`. The f32 ones were sized with
+# ptxas -v (sm_90a) on CPU cross-lowered PTX at B4 T4096 N32 causal, not timed: f32 (tf32x3 dots) 128 spills 76 B
 # (fwd) / 152 B (bwd). f32 at 256 spilled 2-40 KB in every config tried, so `_supports` refuses it
 # on GPU.
 _CONFIG_16BIT_128 = AttentionConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
 # Forward key block of _CONFIG_16BIT_128 per device kind (prefix of jax's device_kind).
 _FORWARD_KEY_BLOCK = (("NVIDIA H100", 128),)
-_CONFIG_16BIT_256 = AttentionConfig(64, 64, 8, 2, 32, 64, 64, 32, 8, 2)
+# 16-bit 256: measured side by side on an H200 (B2 T4096 N16 causal, CUPTI kernel ms against the
+# ptxas-sized (64, 64, 8, 2, 32, 64, 64, 32, 8, 2) before it, two runs): forward 128-query blocks
+# 0.635 against 1.245; dQ programs of 128 queries and dK/dV programs of 64 queries 2.894 against
+# 4.742 (ptxas spills 128 bytes there; without spills, 32-query dK/dV programs 3.37-3.40);
+# fwd+bwd 3.69 against 6.13 ms (results/attention_H200_2026-11-26_triton_h256_tiles.json).
+_CONFIG_16BIT_256 = AttentionConfig(128, 64, 8, 2, 64, 64, 128, 32, 8, 2)
 _CONFIG_F32_128 = AttentionConfig(64, 32, 4, 2, 32, 32, 32, 32, 8, 2)
 _CONFIG_F32_256 = AttentionConfig(32, 32, 4, 2, 16, 32, 32, 16, 8, 2)  # refused on GPU (spills)
 # The interpreter pays per block operation; small, unequal tiles still exercise the block bounds.
@@ -744,16 +748,18 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
     dbias = dz if dz_out else None
     if bias is not None and not dz_out:
         Bb, Nb = bias.shape[:2]
+        # Its (b, n) loop is pipelined with a q, dO, K, V and bias tile per stage: at head_dim 128,
+        # 3 stages ask for 288 KB of shared memory (Hopper has 227 KB), and at head_dim 256 the
+        # dQ programs' 128-query blocks 320 KB, so its query block is capped at 128 * 128 / H.
+        rows = min(cfg.block_m2, 128 * 128 // _pow2(max(q.shape[3], v.shape[3])))
         dbias = triton_call(
             q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
-                                       query_block=cfg.block_m2),
+                                       query_block=rows),
             dout.astype(q.dtype), lse, delta,
             kernel=_dbias_kernel, out_shape=jax.ShapeDtypeStruct((Bb, Nb, T, S), jnp.float32),
-            grid=(triton.cdiv(T, cfg.block_m2), triton.cdiv(S, cfg.block_n2), Bb * Nb),
-            # Its (b, n) loop is pipelined with a q, dO, K, V and bias tile per stage: at head_dim
-            # 128, 3 stages ask for 288 KB of shared memory (Hopper has 227 KB).
+            grid=(triton.cdiv(T, rows), triton.cdiv(S, cfg.block_n2), Bb * Nb),
             num_warps=cfg.bwd_warps, num_stages=min(cfg.bwd_stages, 2),
-            B=B, BM=cfg.block_m2, BN=cfg.block_n2, BIAS_B=Bb, BIAS_N=Nb, **statics,
+            B=B, BM=rows, BN=cfg.block_n2, BIAS_B=Bb, BIAS_N=Nb, **statics,
         )
     return dq, dk, dv, dbias
 
