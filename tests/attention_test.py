@@ -81,11 +81,11 @@ def test_shapes_match_reference(backend, T, S, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H", [64, 128, 256])
+@pytest.mark.parametrize("H", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dtypes_and_head_dims(backend, H, dtype):
-    if ON_CPU and H == 256 and dtype != "bf16":
-        pytest.skip("head_dim 256 in bf16 only on CPU (interpreter time)")
+    if ON_CPU and H > 128 and dtype != "bf16":
+        pytest.skip(f"head_dim {H} in bf16 only on CPU (interpreter time)")
     if ON_CPU and backend == "pallas_gpu" and H > 64:
         # Mosaic GPU's CPU interpreter deadlocks on this kernel when its K/V ring has 2 stages
         # (H >= 128 at the SMEM budget); the same cases pass on the H200 (GPU run of this file).
