@@ -81,7 +81,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from forgeax.kernels.common.attention import (
     AttentionKernels, AttentionSpec, differentiable_attention, segment_ranges,
 )
-from forgeax.kernels.xla.attention import chunked_backward
 from forgeax.kernels.pallas.gpu import gpu_refusal
 from forgeax.ops.interface import Implementation, interpret_enabled
 
@@ -93,9 +92,6 @@ _WGS = 2  # consumer warpgroups per CTA
 _CTA = _ROWS * _WGS
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 256)
-# Head dims whose backward runs here (others: Triton's fused backward). At H = 256 the dK and dV
-# accumulators take a launch each (`_dkv`) and dQ streams 32-key blocks (`_dq`).
-_BWD_HEAD_DIMS = (64, 128, 256)
 _SMEM_BUDGET = 200 * 1024
 # Forward schedule (measured on an H200, causal B4 T4096 N32 H128, benchmarks/tune_attention.py,
 # results/attention_H200_forward_schedules.json): FA3's intra-warpgroup overlap (softmax of block j
@@ -140,6 +136,12 @@ _PERSISTENT_DQ_HEAD_DIMS = (256,)
 # an H200 (results/attention_H200_dq_block_kv.json), and 1.182 against 1.292 ms for a persistent dQ
 # kernel alone on an H100 (CUPTI), though ptxas spills in both.
 _DQ_BLOCK_KV = 128
+
+
+def _dq_block_kv(H: int) -> int:
+    """The dQ kernel's key block: `_DQ_BLOCK_KV`, but 32 at H = 256, where the tile's Q and dO
+    take 128 KB of SMEM (two 32-key stages fit beside them)."""
+    return _DQ_BLOCK_KV if H <= 128 else 32
 # delta = rowsum(dO * O) - dlse computed in the dQ kernel, except under a left window (else by an
 # XLA reduction before it). CUPTI fwd+bwd kernel ms on an H100, in the dQ kernel against XLA's
 # (results/attention_H100_delta_in_dq.json): causal B4 T4096 N32 H128 3.880 against 3.976,
@@ -1194,8 +1196,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
 
 def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: _Tails, *,
         fused_delta: bool):
-    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_DQ_BLOCK_KV` streamed
-    (32 at H = 256, where the tile's Q and dO take 128 KB of SMEM: two 32-key stages fit beside them).
+    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_dq_block_kv` streamed.
 
     fused_delta: row_term is dlse, and delta = rowsum(dO * O) - dlse is computed here for the
     CTA's own rows before its loop and returned too, (dq, delta [B, N, T] f32), for the dK/dV
@@ -1206,7 +1207,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     K = k.shape[2]
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
-    bkv = _DQ_BLOCK_KV if H <= 128 else 32
+    bkv = _dq_block_kv(H)
     assert bkv >= _CTA or not fused_delta, "the O rows of a tile go through one K ring slot"
     item = jnp.dtype(dt).itemsize
     segmented = q_segment_ids is not None
@@ -1342,16 +1343,8 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
+    del bias, mask, dropout_seed  # refused by _supports
     H = q.shape[3]
-    if H not in _BWD_HEAD_DIMS:
-        # Triton's fused backward on the GPU, XLA's chunked backward in interpret mode (Triton's
-        # interpreter needs its own process).
-        args = (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec)
-        if interpret_enabled():
-            return chunked_backward(*args)
-        from forgeax.kernels.triton import attention as triton_attention  # lazily: triton is optional
-
-        return triton_attention.backward(*args)
     tails = _Tails.of(q, k)
     dt = q.dtype
     dlse = jnp.broadcast_to(dlse, lse.shape).astype(_F32)
@@ -1361,7 +1354,9 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     q, k, v = tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v)
     out, dout = tails.tma_rows(out.astype(dt)), tails.tma_rows(dout.astype(dt))
     segments = tails.ids(q_segment_ids, kv_segment_ids)
-    if _DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None and H <= 128:
+    # delta in the dQ kernel needs a key block that holds a tile's O rows (`_dq`).
+    if (_DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None
+            and _dq_block_kv(H) >= _CTA):
         dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
     else:
         rows = slice(0, tails.T)
