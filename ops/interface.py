@@ -205,6 +205,15 @@ def current_compute_capability_major() -> int:
     return int(major) if major.isdigit() else 0
 
 
+def gpu_sm_count() -> int:
+    """Streaming multiprocessors of the first local GPU (what persistent grids size to); 132, an
+    H100/H200 SXM's, when there is no GPU backend (interpret mode, cross-lowering on CPU)."""
+    try:
+        return int(getattr(jax.local_devices(backend="gpu")[0], "core_count", 0) or 132)
+    except RuntimeError:
+        return 132
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """Which backend one op call used, and why each better-ranked one was skipped.

@@ -318,11 +318,11 @@ def test_pallas_gpu_persistent_balance(ctas):
     """The persistent kernels' tile table: every tile exactly once, the first `ctas` tiles on
     distinct CTAs, each CTA's tiles in tile order, and (greedy list scheduling) no CTA more than
     one tile's cost above the lightest."""
-    from forgeax.kernels.pallas.gpu.attention import _balance
+    from forgeax.kernels.pallas.gpu.warpgroups import balance
 
     rng = np.random.default_rng(ctas)
     steps = np.concatenate([np.repeat(np.arange(32, 0, -1), 128), rng.integers(0, 40, 77)])
-    table = _balance(steps, ctas)
+    table = balance(steps, ctas)
     counts, ids = table[:, 0], table[:, 1:]
     assigned = np.concatenate([ids[c, :n] for c, n in enumerate(counts)])
     np.testing.assert_array_equal(np.sort(assigned), np.arange(len(steps)))

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from forgeax.kernels.common.norms import NormKernels, differentiable_norm
 from forgeax.kernels.triton.launch import triton_call
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.ops.interface import Implementation, gpu_sm_count, interpret_enabled
 
 # Largest D one program handles as a single register tile. ptxas (sm_90a) shows
 # no spills up to D=8192 at the default configs; at D=16384 the backward spills
@@ -263,15 +263,7 @@ def _num_sms() -> int:
 
     In interpret mode, a pretend 4-SM GPU keeps the backward grid small.
     """
-    return 4 if interpret_enabled() else _gpu_sms()
-
-
-@functools.cache
-def _gpu_sms() -> int:
-    try:
-        return int(getattr(jax.devices("gpu")[0], "core_count", 132))
-    except RuntimeError:  # no GPU backend: cross-lowering for H100/H200
-        return 132
+    return 4 if interpret_enabled() else gpu_sm_count()
 
 
 # ----------------------------------------------------------------------------- row kernels

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
 from forgeax.ops.interface import (
     current_compute_capability, current_compute_capability_major, current_platform, interpret_enabled,
 )
@@ -21,3 +23,8 @@ def gpu_refusal(*, wgmma: bool) -> str | None:
         need = "Hopper's wgmma (sm_90)" if wgmma else "sm_90 or newer (Mosaic GPU)"
         return f"compute capability {current_compute_capability() or '?'}: these kernels need {need}"
     return None
+
+
+def interpret_params():
+    """plgpu.kernel's `interpret` argument: the Mosaic GPU interpreter under interpret mode."""
+    return plgpu.InterpretGPUParams() if interpret_enabled() else None

@@ -22,7 +22,7 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     consumer); at H = 64 and 256 each block is Q K^T, softmax, P V in turn.
   * WG 2 (producer, 24 registers) streams K and V blocks into a ring of `stages` SMEM slots
     (per-slot "loaded" mbarriers filled by TMA, "free" named barriers released by both consumers).
-  * Grid: at H = 64 and 128 persistent (one CTA per SM running the tiles `_balance` gives it, in
+  * Grid: at H = 64 and 128 persistent (one CTA per SM running the tiles `balance` gives it, in
     tile order, so the next tile's loads overlap the current tile's end); at H = 256 one CTA per
     tile (see `_PERSISTENT_HEAD_DIMS`).
   * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
@@ -67,29 +67,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.attention import (
     AttentionKernels, AttentionSpec, differentiable_attention, segment_ranges,
 )
 from forgeax.kernels.pallas.gpu import gpu_refusal
+from forgeax.kernels.pallas.gpu.warpgroups import (
+    CTA, F32, FIRST_NAMED_BARRIER, REGS, ROWS, WGS, Mma, PingPong, Schedule, SlotFree, bcast, full_rows, i32, launch,
+    transforms, unravel, zeros,
+)
 from forgeax.ops.interface import Implementation, interpret_enabled
 
-_F32 = jnp.float32
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_ROWS = 64  # rows per consumer warpgroup (the wgmma M)
-_WGS = 2  # consumer warpgroups per CTA
-_CTA = _ROWS * _WGS
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 256)
 _SMEM_BUDGET = 200 * 1024
@@ -102,7 +99,7 @@ _SMEM_BUDGET = 200 * 1024
 # per CTA: two tiles per CTA (a long causal tile and its short partner sharing one K/V ring)
 # measured 1.66 against 0.95 ms and was dropped.
 _OVERLAP_HEAD_DIMS = (128,)
-# Persistent forward (`_Schedule`): one CTA per SM runs the tiles `_balance` gives it, so the
+# Persistent forward (`Schedule`): one CTA per SM runs the tiles `balance` gives it, so the
 # producer streams the next tile's K/V while the consumers finish the current tile, and a consumer
 # loads its next Q during its last P V. A CTA per tile pays its launch, first loads and pipeline
 # ramp once per tile: with the same FLOPs, causal B1 T8192 (2048 tiles) ran 0.945 ms against
@@ -116,9 +113,9 @@ _OVERLAP_HEAD_DIMS = (128,)
 # measured slower (fwd+bwd 4.72 against 4.60 ms, results/attention_H200_persistent_forward.json,
 # with the longest-first table) and were not kept.
 # An earlier GPU run of test_pallas_gpu_persistent (then _forward) stalled (at causal T > S, whose
-# first tiles see no key): the ping-pong hazard `_PingPong.realign` closes.
+# first tiles see no key): the ping-pong hazard `PingPong.realign` closes.
 _PERSISTENT_HEAD_DIMS = (64, 128)
-# Persistent backward kernels (`_Schedule` in tile order, as the forward). CUPTI kernel ms on an H100
+# Persistent backward kernels (`Schedule` in tile order, as the forward). CUPTI kernel ms on an H100
 # (benchmarks/tune_attention.py --kernel-times, medians of 3 rounds,
 # results/attention_H100_persistent_backward.json), persistent against one CTA per tile: dK/dV at
 # causal B4 T4096 N32 H128 1.730-1.739 against 1.758-1.791 (ptxas spills 84 against 16 bytes), at
@@ -161,50 +158,13 @@ _DKV_FA3_ORDER_HEAD_DIMS = (64,)
 # 3-7% slower on the third, which ran power-capped (up to 692 W, SM clock down to ~1340 MHz;
 # causal H128 4.58 / 4.70 against 4.40 / 4.38 ms for two copies of each, GQA 4.15 / 4.22 against
 # 4.04 / 4.10). Not kept: sustained training runs power-capped, where it lost.
-_INTERPRET_CTAS = 2  # interpret mode: two CTAs, most with several tiles (uneven counts)
-# Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
-# 232 + 40 ptxas spilled in the overlapped forward (12 bytes) and in a backward kernel (48 bytes).
-_REGS = (240, 24)
-_FIRST_NAMED_BARRIER = 4  # Mosaic GPU uses 0 (CTA) and 1..num_threads (one per warpgroup)
-_WG_THREADS = 128
-
-
-def _i32(x):
-    return jnp.asarray(x, jnp.int32)
-
-
-def _transforms(dtype, swizzle=128):
-    # wgmma's K must be a multiple of swizzle / itemsize: 64-byte swizzle for 32-wide K blocks.
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _params():
-    return plgpu.CompilerParams(approx_math=True)
-
-
-# ----------------------------------------------------------------------------- synchronisation
-
-
-def _named_barrier(op: str, barrier_id, threads: int):
-    """PTX `bar.arrive` (does not block) or `bar.sync` (blocks) on a hardware named barrier,
-    which completes once `threads` threads have arrived or synced on it."""
-    if isinstance(barrier_id, int):
-        plgpu.inline_mgpu()(lambda _: mgpu.utils.inline_ptx(
-            f"bar.{op} {barrier_id}, {threads};", has_side_effects=True, convergent=True))()
-        return
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
-    def emit(_, bid):
-        mgpu.utils.inline_ptx(f"bar.{op} $0, {threads};", bid.registers[()], has_side_effects=True, convergent=True)
-
-    emit(_i32(barrier_id))
 
 
 def _within_reach(lo, full_lo, full_hi, hi, col_lo, col_hi, uniform, blk: int):
     """Narrows a tile's column blocks (lo, full_lo, full_hi, hi) to the columns [col_lo, col_hi)
     its segment ids may reach (`segment_ranges`). The unmasked blocks keep only those inside one
     segment every row shares (uniform), none otherwise: the masked steps compare segment ids."""
-    div = lambda x: lax.div(x, _i32(blk))
+    div = lambda x: lax.div(x, i32(blk))
     lo = jnp.maximum(lo, div(col_lo))
     hi = jnp.maximum(jnp.minimum(hi, div(col_hi + blk - 1)), lo)
     full_lo = jnp.where(uniform != 0, jnp.maximum(full_lo, div(col_lo + blk - 1)), hi)
@@ -220,7 +180,7 @@ def _segment_inputs(row_ids, col_ids) -> tuple:
     if row_ids is None:
         return jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1, 3), jnp.int32)
     row_ids, col_ids = row_ids.astype(jnp.int32), col_ids.astype(jnp.int32)
-    return row_ids, col_ids, segment_ranges(row_ids, col_ids, _CTA)
+    return row_ids, col_ids, segment_ranges(row_ids, col_ids, CTA)
 
 
 def _segment_ids(buf, index, axis: int):
@@ -235,74 +195,8 @@ def _allowed(band: _Band, x0, y0, shape, row_ids=None, col_ids=None):
     ok = band.mask(x0, y0, shape)
     if row_ids is None:
         return ok
-    same = _bcast(row_ids, shape, 0) == _bcast(col_ids, shape, 1)
+    same = bcast(row_ids, shape, 0) == bcast(col_ids, shape, 1)
     return same if ok is None else ok & same
-
-
-class _SlotFree:
-    """'This ring slot may be refilled': the consumer warpgroups release a slot after their last
-    read of it, the producer acquires it before the TMA that overwrites it.
-
-    Named barriers (the forward on the GPU): one per slot, counting 128 threads per consumer plus
-    the producer's 128; the consumers pre-release the first `stages` slots so the producer
-    acquires before every load, and release use i only when a load i + stages follows, so
-    arrivals and syncs pair up exactly. Otherwise an mbarrier per slot that the producer waits on
-    from load `stages` on: interpret mode has no named barriers, and the backward kernels
-    measured slower with them (causal B4 T4096 N32 H128 fwd+bwd 4.51 against 4.44 ms).
-    """
-
-    def __init__(self, bars, stages: int, first_id: int, named: bool):
-        self.bars, self.stages, self.first_id, self.named = bars, stages, first_id, named
-
-    @property
-    def next_id(self) -> int:
-        return self.first_id + (self.stages if self.named else 0)
-
-    def _arrive(self, slot):
-        if self.named:
-            _named_barrier("arrive", self.first_id + slot, _WG_THREADS * (_WGS + 1))
-        else:
-            plgpu.barrier_arrive(self.bars.at[slot])
-
-    def prime(self, loads):
-        """Consumers, before their loop over `loads` uses of the ring."""
-        if self.named:
-            for slot in range(self.stages):
-                pl.when(slot < loads)(functools.partial(self._arrive, slot))
-
-    def release(self, slot, i, loads):
-        pl.when(i + self.stages < loads)(lambda: self._arrive(slot))
-
-    def acquire(self, slot, i):
-        if self.named:
-            _named_barrier("sync", self.first_id + slot, _WG_THREADS * (_WGS + 1))
-        else:
-            pl.when(i >= self.stages)(lambda: plgpu.barrier_wait(self.bars.at[slot]))
-
-
-class _PingPong:
-    """FA3's ping-pong between the two consumer warpgroups, on two named barriers: `turn()` waits
-    until the other WG has handed the tensor cores over (`handover()`, which never blocks), so one
-    WG runs its softmax while the other's matmuls run. Scheduling only (no data depends on it):
-    a no-op in interpret mode, which has no named barriers."""
-
-    def __init__(self, wg, first_id: int, enabled: bool):
-        self.wg, self.first_id, self.enabled = wg, first_id, enabled
-
-    def turn(self):
-        if self.enabled:
-            _named_barrier("sync", self.first_id + self.wg, 2 * _WG_THREADS)
-
-    def handover(self):
-        if self.enabled:
-            _named_barrier("arrive", self.first_id + 1 - self.wg, 2 * _WG_THREADS)
-
-    def realign(self):
-        """Both consumers meet (persistent grid, before each tile). Without it, WG 0 could hand
-        over at the end of one tile and again in the next before WG 1's matching turn, and a
-        named barrier would count those two arrivals as one completed phase."""
-        if self.enabled:
-            _named_barrier("sync", self.first_id + 2, 2 * _WG_THREADS)
 
 
 # ----------------------------------------------------------------------------- block ranges
@@ -344,11 +238,11 @@ class _Band:
         those in [full_lo, full_hi) are visible to every row (no mask needed)."""
         limit = length if self.cols is None else self.cols  # the columns that exist
         clip = lambda x: jnp.minimum(jnp.maximum(x, 0), limit)
-        div = lambda x: lax.div(x, _i32(blk))
-        lo = _i32(0) if self.a is None else div(clip(r0 + self.a))
-        hi = _i32(-(-limit // blk)) if self.b is None else div(clip(r0 + rows + self.b) + blk - 1)
+        div = lambda x: lax.div(x, i32(blk))
+        lo = i32(0) if self.a is None else div(clip(r0 + self.a))
+        hi = i32(-(-limit // blk)) if self.b is None else div(clip(r0 + rows + self.b) + blk - 1)
         hi = jnp.maximum(hi, lo)
-        full_edge = _i32(limit) if self.b is None else clip(r0 + self.b + 1)  # columns below it: every row
+        full_edge = i32(limit) if self.b is None else clip(r0 + self.b + 1)  # columns below it: every row
         full_hi = jnp.minimum(jnp.maximum(div(full_edge), lo), hi)
         full_lo = lo if self.a is None else div(clip(r0 + rows - 1 + self.a) + blk - 1)
         full_lo = jnp.minimum(jnp.maximum(full_lo, lo), full_hi)
@@ -376,217 +270,6 @@ def _three_loops(lo, full_lo, full_hi, hi, step, carry, band: _Band, segmented: 
     carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-
-
-def _num_sms() -> int:
-    """SMs of the local GPU (the persistent grid); 132 (H100/H200 SXM) when lowering without one."""
-    try:
-        return jax.local_devices(backend="gpu")[0].core_count
-    except RuntimeError:
-        return 132
-
-
-def _unravel(t, dims):
-    """Tile id -> one index per axis of `dims`, the first axis fastest."""
-    idx = []
-    for d in dims[:-1]:
-        idx.append(lax.rem(t, _i32(d)))
-        t = lax.div(t, _i32(d))
-    return (*idx, t)
-
-
-def _balance(steps: np.ndarray, ctas: int) -> np.ndarray:
-    """Tiles to CTAs in tile order, each to the CTA with the least work so far (its tiles' ring
-    uses plus one each for the prologue/epilogue; ties to the lower CTA): what the hardware does
-    with one CTA per tile, known ahead. In tile order (`_forward`'s `tile`: heads fastest, then
-    query blocks) the ~#SMs tiles running at one time are a few query blocks of every head of one
-    batch, so each head's K/V is read by several of them at about the same time (L2 reuse).
-    Sorting all tiles longest first instead (LPT) runs one query block of every (batch, head) at
-    once, each streaming K/V no other tile reads: causal H = 64 0.787 against 0.692 ms, H = 128
-    1.515 against 1.002-1.016 (H100, results/attention_persistent_forward_in_order.json). Round
-    robin (tile i on CTA i mod #SMs) leaves the causal lengths unbalanced (GQA 0.999 against 0.892
-    ms per tile, H200).
-    Returns [ctas, 1 + R] int32: each CTA's tile count, then its tile ids in the order to run."""
-    heap = [(0, c) for c in range(ctas)]
-    lists = [[] for _ in range(ctas)]
-    for t in range(len(steps)):
-        work, c = heapq.heappop(heap)
-        lists[c].append(t)
-        heapq.heappush(heap, (work + int(steps[t]) + 1, c))
-    table = np.zeros((ctas, 1 + max(map(len, lists))), np.int32)
-    for c, ts in enumerate(lists):
-        table[c, 0] = len(ts)
-        table[c, 1:1 + len(ts)] = ts
-    return table
-
-
-_TILE_AXES = ("heads", "rows", "batch")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Schedule:
-    """Which tiles a CTA runs. One CTA per tile: the grid is the tiles' (heads, row tiles, batch)
-    and a tile is its grid indices. Persistent (ctas = #SMs, grid axis "cta"): the tiles
-    `_balance` gives the CTA, by id (heads fastest), read from a table input."""
-
-    dims: tuple[int, int, int]
-    ctas: int
-    table: np.ndarray | None
-
-    @classmethod
-    def of(cls, steps_of, dims: tuple[int, int, int], persistent: bool, interpret: bool) -> "_Schedule":
-        """steps_of(tile id) -> the tile's ring uses (traceable, evaluated here for every tile)."""
-        tiles = math.prod(dims)
-        ctas = min(tiles, _INTERPRET_CTAS if interpret else _num_sms())
-        if not persistent or ctas == tiles:
-            return cls(dims, tiles, None)
-        with jax.ensure_compile_time_eval():
-            steps = np.asarray(jax.vmap(steps_of)(jnp.arange(tiles, dtype=jnp.int32)))
-        return cls(dims, ctas, _balance(steps, ctas))
-
-    @property
-    def grid(self) -> dict:
-        """plgpu.kernel's grid arguments."""
-        if self.table is None:
-            return dict(grid=self.dims, grid_names=_TILE_AXES)
-        return dict(grid=(self.ctas,), grid_names=("cta",))
-
-    def input(self) -> jax.Array:
-        """The table, an extra kernel input (a placeholder when there is none)."""
-        return jnp.asarray(np.zeros((1, 1), np.int32) if self.table is None else self.table)
-
-    def run(self, table_ref, body):
-        """body(kk, tile, base) -> base + the ring uses of that tile, over this CTA's tiles
-        (base: the ring uses of its earlier tiles, so ring slots and barrier phases carry on)."""
-        if self.table is None:
-            return body(_i32(0), self.tile(table_ref, 0), _i32(0))
-        cta = lax.axis_index("cta")
-        return lax.fori_loop(0, table_ref[cta, 0], lambda kk, base: body(kk, table_ref[cta, kk + 1], base), _i32(0))
-
-    def total(self, table_ref, steps_of):
-        """Ring uses of all this CTA's tiles."""
-        return self.run(table_ref, lambda kk, t, base: base + steps_of(t))
-
-    def has_next(self, table_ref, kk):
-        return kk + 1 < (1 if self.table is None else table_ref[lax.axis_index("cta"), 0])
-
-    def tile(self, table_ref, kk):
-        """The kk-th tile of this CTA: its grid indices (one CTA per tile, so the kernel divides
-        no tile id) or its id."""
-        if self.table is None:
-            return tuple(lax.axis_index(name) for name in _TILE_AXES)
-        return table_ref[lax.axis_index("cta"), kk + 1]
-
-
-# ----------------------------------------------------------------------------- wgmma helper
-
-
-class _Mma:
-    """acc + a @ b on the tensor cores; `a` an SMEM ref or a 16-bit register array (WGMMA layout).
-
-    On the GPU a register LHS feeds wgmma directly and the accumulator is updated in place
-    (`run_state` + `ACC.init`). In interpret mode (which supports neither) a register LHS is
-    staged through `stage` (this WG's SMEM buffer) and the product is added to acc.
-    """
-
-    def __init__(self, interpret: bool, stage=None):
-        self.interpret, self.stage = interpret, stage
-
-    def __call__(self, a, b, shape, acc=None, a_in_regs=False, after_issue=None):
-        if a_in_regs and self.interpret:
-            self.stage[...] = a
-            plgpu.commit_smem()
-            a = self.stage
-        if self.interpret or acc is None:
-            def run(acc_ref):
-                plgpu.wgmma(acc_ref, a, b)
-                if after_issue is not None:  # runs while the wgmma is in flight
-                    after_issue()
-                return acc_ref[...]
-
-            out = pl.run_scoped(run, plgpu.ACC(shape, _F32))
-            return out if acc is None else acc + out
-
-        def update(acc_ref):
-            plgpu.wgmma(acc_ref, a, b)
-            if after_issue is not None:
-                after_issue()
-
-        return pl.run_state(update)(plgpu.ACC.init(acc))
-
-    def two(self, acc, a, b, a2, b2, shape2):
-        """(acc + a @ b, a2 @ b2) with a in registers: on the GPU both wgmmas are issued before
-        one wait (one wgmma.wait_group instead of two)."""
-        if self.interpret:
-            return self(a, b, acc.shape, acc=acc, a_in_regs=True), self(a2, b2, shape2)
-
-        def update(refs):
-            plgpu.wgmma(refs[0], a, b)
-            plgpu.wgmma(refs[1], a2, b2)
-
-        return pl.run_state(update)((plgpu.ACC.init(acc), plgpu.ACC.init(_zeros(shape2))))
-
-    def fresh(self, products, shape):
-        """[a @ b for (a, b) in products], SMEM operands: on the GPU all issued before one wait."""
-        if self.interpret:
-            return [self(a, b, shape) for a, b in products]
-
-        def run(*refs):
-            for ref, (a, b) in zip(refs, products):
-                plgpu.wgmma(ref, a, b)
-            return tuple(ref[...] for ref in refs)
-
-        return pl.run_scoped(run, *[plgpu.ACC(shape, _F32) for _ in products])
-
-    def update(self, items):
-        """[acc + a @ b for (acc, a, b) in items], a in registers: on the GPU all issued before one wait."""
-        if self.interpret:
-            return [self(a, b, acc.shape, acc=acc, a_in_regs=True) for acc, a, b in items]
-
-        def run(refs):
-            for ref, (_, a, b) in zip(refs, items):
-                plgpu.wgmma(ref, a, b)
-
-        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in items))
-
-    def overlapped(self, a, b, shape, a2, b2, acc2, between, init, after_issue=None):
-        """(acc2 + a2 @ b2, between(a @ b)), a2 in registers: on the GPU both wgmmas are issued
-        (a @ b first), `after_issue` runs, and `between` runs on a @ b while a2 @ b2 is still in
-        flight (FA3's intra-warpgroup overlap). `init` is shaped like between's result."""
-        if self.interpret:
-            s = self(a, b, shape)
-            acc2 = self(a2, b2, acc2.shape, acc=acc2, a_in_regs=True)
-            if after_issue is not None:
-                after_issue()
-            return acc2, between(s)
-
-        def body(refs):
-            acc_ref, out_refs = refs
-
-            def first(s_ref):
-                plgpu.wgmma(s_ref, a, b)
-                plgpu.wgmma(acc_ref, a2, b2)
-                if after_issue is not None:
-                    after_issue()
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # a @ b only
-
-            out = between(pl.run_scoped(first, plgpu.ACC(shape, _F32)))
-            for ref, value in zip(jax.tree.leaves(out_refs), jax.tree.leaves(out)):
-                ref[...] = value
-
-        return pl.run_state(body)((plgpu.ACC.init(acc2), init))
-
-
-def _zeros(shape):
-    return plgpu.layout_cast(jnp.zeros(shape, _F32), plgpu.Layout.WGMMA)
-
-
-def _full_rows(n, value, axis):
-    return plgpu.layout_cast(jnp.full((n,), value, _F32), plgpu.Layout.WGMMA.reduce(axis))
-
-
-def _bcast(v, shape, dim):
-    return lax.broadcast_in_dim(v, shape, [dim])
 
 
 def _scores(x, spec: AttentionSpec):
@@ -618,18 +301,18 @@ def _stages(per_stage: int, fixed: int, cap: int = 3) -> int:
 
 def _block_transforms(dt, blk: int):
     """SMEM transforms of buffers whose `blk` rows or columns are a wgmma K block: 128-byte
-    swizzle, 64-byte for 32-wide blocks (see `_transforms`)."""
-    return _transforms(dt, min(128, blk * jnp.dtype(dt).itemsize))
+    swizzle, 64-byte for 32-wide blocks (see `transforms`)."""
+    return transforms(dt, min(128, blk * jnp.dtype(dt).itemsize))
 
 
 def _staging_and_segment_buffers(dt, blk: int, stages: int, interpret: bool, segmented: bool) -> list:
     """The last scratch entries of every kernel here (None where the call needs none): the
     per-warpgroup (rows, blk) buffer through which interpret mode stages register-LHS wgmma
-    operands (`_Mma`), the row segment ids of each warpgroup's rows, and the column segment ids
+    operands (`Mma`), the row segment ids of each warpgroup's rows, and the column segment ids
     of each ring slot's blk columns."""
     return [
-        plgpu.SMEM((_WGS, _ROWS, blk), dt, transforms=_block_transforms(dt, blk)) if interpret else None,
-        plgpu.SMEM((_WGS, _ROWS), jnp.int32) if segmented else None,
+        plgpu.SMEM((WGS, ROWS, blk), dt, transforms=_block_transforms(dt, blk)) if interpret else None,
+        plgpu.SMEM((WGS, ROWS), jnp.int32) if segmented else None,
         plgpu.SMEM((stages, blk), jnp.int32) if segmented else None,
     ]
 
@@ -640,31 +323,10 @@ def _backward_barriers(tile_copies: int, slot_copies: int, stages: int, segmente
     released it. With segment ids the first two count one more copy each (the ids)."""
     ids = 1 if segmented else 0
     return [
-        plgpu.Barrier(num_arrivals=tile_copies + ids, num_barriers=_WGS),
+        plgpu.Barrier(num_arrivals=tile_copies + ids, num_barriers=WGS),
         plgpu.Barrier(num_arrivals=slot_copies + ids, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
     ]
-
-
-def _launch(name: str, kernel, scratch, barriers, out_type, schedule: "_Schedule", interpret: bool):
-    """The plgpu.kernel of every attention kernel here: `_WGS` consumer warpgroups and a producer
-    over the schedule's grid, running kernel(*inputs, *outputs, *scratch, *barriers) with every
-    SMEM buffer and barrier allocated once for all warpgroups (a None scratch entry stays None:
-    a buffer this call does not need). `name` is the kernel's name in profiles."""
-
-    def body(*refs):
-        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
-
-    return plgpu.kernel(
-        body,
-        out_type=out_type,
-        **schedule.grid,
-        num_threads=_WGS + 1,
-        thread_name="wg",
-        compiler_params=_params(),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name=name,
-    )
 
 
 # ----------------------------------------------------------------------------- forward
@@ -691,10 +353,10 @@ class _Tile:
         made of short ones (measured on the forward: shortest first is 1.6x slower): the last
         query tiles (`last_first`), the first key tiles otherwise. reach: with segment ids, the
         [B, row tiles, 3] ref of `segment_ranges` that narrows the blocks (`_within_reach`)."""
-        n, i, b = t if isinstance(t, tuple) else _unravel(t, dims)
+        n, i, b = t if isinstance(t, tuple) else unravel(t, dims)
         row_tile = (dims[1] - 1 - i) if last_first else i
-        r0 = row_tile * _CTA
-        blocks = band.blocks(r0, _CTA, blk, length)
+        r0 = row_tile * CTA
+        blocks = band.blocks(r0, CTA, blk, length)
         if reach is not None:
             blocks = _within_reach(*blocks, *(reach[b, row_tile, f] for f in range(3)), blk)
         return cls(b, n, r0, *blocks)
@@ -735,11 +397,11 @@ class _Tails:
 
     @property
     def T_padded(self) -> int:
-        return -(-self.T // _CTA) * _CTA
+        return -(-self.T // CTA) * CTA
 
     @property
     def S_padded(self) -> int:
-        return -(-self.S // _CTA) * _CTA
+        return -(-self.S // CTA) * CTA
 
     @staticmethod
     def _pad(x, n: int, axis: int, **how):
@@ -749,7 +411,7 @@ class _Tails:
 
     @staticmethod
     def _tma_length(n: int) -> int:
-        return max(_CTA, -(-n // _TMA_TILE_ROWS) * _TMA_TILE_ROWS)
+        return max(CTA, -(-n // _TMA_TILE_ROWS) * _TMA_TILE_ROWS)
 
     def tma_rows(self, x):
         """x [B, T, ...] as the kernels read it (see above)."""
@@ -788,7 +450,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
     bkv = 128 if H <= 128 else 64
     item = jnp.dtype(dt).itemsize
     segmented = q_segment_ids is not None
-    per_stage, q_bytes = 2 * bkv * H * item + (4 * bkv if segmented else 0), _CTA * H * item
+    per_stage, q_bytes = 2 * bkv * H * item + (4 * bkv if segmented else 0), CTA * H * item
     # A separate output buffer lets a consumer load its next Q tile before its last P V; where
     # it would leave fewer than 2 ring stages (H = 256) the output goes out through Q's buffer.
     separate_out = _SMEM_BUDGET - 2 * q_bytes >= 2 * per_stage
@@ -796,7 +458,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
     band = _Band.forward(spec, tails)
     interpret = interpret_enabled()
     overlap = H in _OVERLAP_HEAD_DIMS
-    q_tiles = T // _CTA
+    q_tiles = T // CTA
 
     def tile_at(t, reach=None) -> _Tile:
         tl = _Tile.of(t, (N, q_tiles, B), band, bkv, S, last_first=True, reach=reach)
@@ -809,7 +471,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 
     # With segment ids a tile's blocks depend on the data, so the schedule cannot be balanced ahead.
     persistent = H in _PERSISTENT_HEAD_DIMS and not segmented
-    schedule = _Schedule.of(lambda t: tile_at(t).steps, (N, q_tiles, B), persistent, interpret)
+    schedule = Schedule.of(lambda t: tile_at(t).steps, (N, q_tiles, B), persistent, interpret)
 
     def kernel(q_ref, k_ref, v_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref, out_ref, lse_ref,
                q_smem, o_smem, k_smem, v_smem, lse_smem, stage, row_ids_smem, col_ids_smem,
@@ -820,10 +482,10 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
         # read before the slot is released.
         col_ids_at = lambda slot, masked: _segment_ids(col_ids_smem, slot, 0) if masked else None
         # K/V ring uses are numbered across this CTA's tiles: key block j of a tile is use
-        # g = base + j - lo (`_Schedule.run`).
-        k_ring = _SlotFree(k_free, stages, _FIRST_NAMED_BARRIER, not interpret)
-        v_ring = _SlotFree(v_free, stages, k_ring.next_id, not interpret)
-        sched = _PingPong(wg, v_ring.next_id, not interpret)
+        # g = base + j - lo (`Schedule.run`).
+        k_ring = SlotFree(k_free, stages, FIRST_NAMED_BARRIER, not interpret)
+        v_ring = SlotFree(v_free, stages, k_ring.next_id, not interpret)
+        sched = PingPong(wg, v_ring.next_id, not interpret)
 
         def softmax(s, m, l, rows, j, masked, ids):
             """Online softmax of key block j: (p, m', l', alpha) with m' = max(m, rowmax s),
@@ -837,7 +499,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             if masked:  # a row may have seen no key yet: keep exp2 away from -inf - -inf
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m - m_use)
-            p = _exp2(s, c, _bcast(m_use, s.shape, 0))
+            p = _exp2(s, c, bcast(m_use, s.shape, 0))
             return p, m_new, l * alpha + jnp.sum(p, axis=1), alpha
 
         def sequential(tl, base, total, rows, row_ids, q_s, mma, m, l, q_free):
@@ -847,13 +509,13 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             def step(j, carry, masked):
                 acc, m, l = carry
                 g = base + j - tl.lo
-                slot = lax.rem(g, _i32(stages))
+                slot = lax.rem(g, i32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 col_ids = col_ids_at(slot, masked)
-                s = mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
+                s = mma(q_s, k_smem.at[slot].transpose((1, 0)), (ROWS, bkv), after_issue=sched.handover)
                 k_ring.release(slot, g, total)
                 p, m, l_new, alpha = softmax(s, m, l, rows, j, masked, (row_ids, col_ids))
-                acc = acc * _bcast(alpha, acc.shape, 0)
+                acc = acc * bcast(alpha, acc.shape, 0)
                 p16 = p.astype(dt)
                 if H <= 128:  # finish the softmax before handing over the tensor cores
                     l = l_new
@@ -862,11 +524,11 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
                 sched.turn()
                 if H > 128:
                     l = l_new
-                acc = mma(p16, v_smem.at[slot], (_ROWS, H), acc=acc, a_in_regs=True)
+                acc = mma(p16, v_smem.at[slot], (ROWS, H), acc=acc, a_in_regs=True)
                 v_ring.release(slot, g, total)
                 return acc, m, l
 
-            carry = (_zeros((_ROWS, H)), m, l)
+            carry = (zeros((ROWS, H)), m, l)
             acc, m, l = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
             pl.when(wg == 0)(sched.handover)  # WG 1's last turn
             q_free()
@@ -877,19 +539,19 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             the tensor cores over, runs block j's softmax while its P V is still in flight, then
             rescales. Interpret mode runs the same order synchronously."""
             pl.when(wg == 1)(sched.handover)  # WG 0 takes the first turn
-            first_slot = lax.rem(base, _i32(stages))
+            first_slot = lax.rem(base, i32(stages))
             plgpu.barrier_wait(k_bar.at[first_slot])
             first_masked = band.masks or segmented
             col_ids = col_ids_at(first_slot, first_masked)
             sched.turn()
-            s = mma(q_s, k_smem.at[first_slot].transpose((1, 0)), (_ROWS, bkv), after_issue=sched.handover)
+            s = mma(q_s, k_smem.at[first_slot].transpose((1, 0)), (ROWS, bkv), after_issue=sched.handover)
             k_ring.release(first_slot, base, total)
             p, m, l, _ = softmax(s, m, l, rows, tl.lo, first_masked, (row_ids, col_ids))
 
             def step(j, carry, masked):
                 acc, m, l, p_prev = carry
                 g = base + j - tl.lo
-                slot, prev = lax.rem(g, _i32(stages)), lax.rem(g - 1, _i32(stages))
+                slot, prev = lax.rem(g, i32(stages)), lax.rem(g - 1, i32(stages))
                 plgpu.barrier_wait(k_bar.at[slot])
                 col_ids = col_ids_at(slot, masked)
                 plgpu.barrier_wait(v_bar.at[prev])
@@ -901,39 +563,39 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
                     return p.astype(dt), m_new, l_new, alpha
 
                 acc, (p16, m, l, alpha) = mma.overlapped(
-                    q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv), p_prev, v_smem.at[prev], acc,
+                    q_s, k_smem.at[slot].transpose((1, 0)), (ROWS, bkv), p_prev, v_smem.at[prev], acc,
                     between, (p_prev, m, l, m), after_issue=sched.handover)
                 v_ring.release(prev, g - 1, total)
-                return acc * _bcast(alpha, acc.shape, 0), m, l, p16
+                return acc * bcast(alpha, acc.shape, 0), m, l, p16
 
             first = tl.lo + 1  # block lo was the prologue
             mid_lo = jnp.maximum(tl.full_lo, first)
             acc, m, l, p16 = _three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, step,
-                                          (_zeros((_ROWS, H)), m, l, p.astype(dt)), band, segmented)
+                                          (zeros((ROWS, H)), m, l, p.astype(dt)), band, segmented)
             q_free()  # every Q K^T of this tile is done
             g = base + tl.steps - 1
-            last = lax.rem(g, _i32(stages))
+            last = lax.rem(g, i32(stages))
             plgpu.barrier_wait(v_bar.at[last])
             sched.turn()
             # WG 1 started with a handover: it skips its last one so that arrivals pair up.
-            acc = mma(p16, v_smem.at[last], (_ROWS, H), acc=acc, a_in_regs=True,
+            acc = mma(p16, v_smem.at[last], (ROWS, H), acc=acc, a_in_regs=True,
                       after_issue=lambda: pl.when(wg == 0)(sched.handover))
             v_ring.release(last, g, total)
             return acc, m, l
 
-        @pl.when(wg < _WGS)
+        @pl.when(wg < WGS)
         def _consumer():
-            plgpu.set_max_registers(_REGS[0], action="increase")
+            plgpu.set_max_registers(REGS[0], action="increase")
             q_s = q_smem.at[wg]
             o_s = o_smem.at[wg] if separate_out else q_s
-            mma = _Mma(interpret, None if stage is None else stage.at[wg])
+            mma = Mma(interpret, None if stage is None else stage.at[wg])
             total = schedule.total(table_ref, lambda t: tile(t).steps)
             k_ring.prime(total)
             v_ring.prime(total)
 
             def load_q(kk):
                 tl = tile(schedule.tile(table_ref, kk))
-                rows = (tl.b, pl.ds(tl.r0 + wg * _ROWS, _ROWS), tl.n)
+                rows = (tl.b, pl.ds(tl.r0 + wg * ROWS, ROWS), tl.n)
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s, q_bar.at[wg])
                 if segmented:
                     plgpu.copy_gmem_to_smem(row_ids_ref.at[rows[:2]], row_ids_smem.at[wg], q_bar.at[wg])
@@ -942,24 +604,24 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 
             def one_tile(kk, t, base):
                 tl = tile(t)
-                rows = tl.r0 + wg * _ROWS
+                rows = tl.r0 + wg * ROWS
                 prefetch = lambda: pl.when(schedule.has_next(table_ref, kk))(functools.partial(load_q, kk + 1))
                 if schedule.table is not None:
                     sched.realign()
                 plgpu.barrier_wait(q_bar.at[wg])
                 row_ids = _segment_ids(row_ids_smem, wg, 1)
                 loop = overlapped if overlap else sequential
-                acc, m, l = loop(tl, base, total, rows, row_ids, q_s, mma, _full_rows(_ROWS, -jnp.inf, 1),
-                                 _full_rows(_ROWS, 0.0, 1), prefetch if separate_out else lambda: None)
+                acc, m, l = loop(tl, base, total, rows, row_ids, q_s, mma, full_rows(ROWS, -jnp.inf, 1),
+                                 full_rows(ROWS, 0.0, 1), prefetch if separate_out else lambda: None)
                 seen = l > 0.0
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
                 if separate_out:  # the previous tile's stores have read o_s and lse_smem
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_s[...] = (acc * _bcast(inv, acc.shape, 0)).astype(dt)
+                o_s[...] = (acc * bcast(inv, acc.shape, 0)).astype(dt)
                 lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s, out_ref.at[tl.b, pl.ds(rows, _ROWS), tl.n])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tl.b, tl.n, pl.ds(rows, _ROWS)])
+                plgpu.copy_smem_to_gmem(o_s, out_ref.at[tl.b, pl.ds(rows, ROWS), tl.n])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tl.b, tl.n, pl.ds(rows, ROWS)])
                 if not separate_out:  # Q's buffer holds the output until the store has read it
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     prefetch()
@@ -968,17 +630,17 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             schedule.run(table_ref, one_tile)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _WGS)
+        @pl.when(wg == WGS)
         def _producer():
-            plgpu.set_max_registers(_REGS[1], action="decrease")
+            plgpu.set_max_registers(REGS[1], action="decrease")
 
             def one_tile(kk, t, base):
                 tl = tile(t)
-                kh = lax.div(tl.n, _i32(G))
+                kh = lax.div(tl.n, i32(G))
 
                 def load(i, c):
                     g = base + i
-                    slot = lax.rem(g, _i32(stages))
+                    slot = lax.rem(g, i32(stages))
                     keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
                     k_ring.acquire(slot, g)
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
@@ -993,26 +655,26 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 
             schedule.run(table_ref, one_tile)
 
-    tr = _transforms(dt)
+    tr = transforms(dt)
 
     scratch = [
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr) if separate_out else None,
+        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr) if separate_out else None,
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
-        plgpu.SMEM((_WGS, _ROWS), _F32),
+        plgpu.SMEM((WGS, ROWS), F32),
         *_staging_and_segment_buffers(dt, bkv, stages, interpret, segmented),
     ]
     ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
     bars = [
-        plgpu.Barrier(num_arrivals=1 + ids, num_barriers=_WGS),
+        plgpu.Barrier(num_arrivals=1 + ids, num_barriers=WGS),
         plgpu.Barrier(num_arrivals=1 + ids, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
     ]
-    out_type = (jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((B, N, T), _F32))
-    out, lse = _launch("attention_fwd", kernel, scratch, bars, out_type, schedule, interpret)(
+    out_type = (jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((B, N, T), F32))
+    out, lse = launch("attention_fwd", kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
     return out, lse
 
@@ -1053,18 +715,18 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     segmented = q_segment_ids is not None
     # Per ring slot Q, dO, lse (and delta for dk); per tile K (and V for dk's dpT = v dO^T).
     row_terms = (2 if want_dk else 1) + (1 if segmented else 0)
-    stages = _stages(2 * bq * H * item + row_terms * bq * 4, (2 if want_dk else 1) * _CTA * H * item)
+    stages = _stages(2 * bq * H * item + row_terms * bq * 4, (2 if want_dk else 1) * CTA * H * item)
     band = _Band.keys_by_query(spec, tails)
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
 
     def tile_at(t, reach=None) -> _Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
-        return _Tile.of(t, (K, S // _CTA, B), band, bq, T, last_first=False, reach=reach)
+        return _Tile.of(t, (K, S // CTA, B), band, bq, T, last_first=False, reach=reach)
 
     # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS);
     # with segment ids a tile's blocks depend on the data, so no balanced schedule.
     persistent = H in _PERSISTENT_DKV_HEAD_DIMS and spec.window_left is None and not segmented
-    schedule = _Schedule.of(lambda t: G * tile_at(t).steps, (K, S // _CTA, B), persistent, interpret)
+    schedule = Schedule.of(lambda t: G * tile_at(t).steps, (K, S // CTA, B), persistent, interpret)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                *refs):
@@ -1072,24 +734,24 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, row_ids_smem, col_ids_smem,
          kv_bar, loaded, free) = refs
         wg = lax.axis_index("wg")
-        ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
+        ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         steps_of = lambda t: G * tile(t).steps  # ring uses: every query head of the group
 
-        @pl.when(wg < _WGS)
+        @pl.when(wg < WGS)
         def _consumer():
-            plgpu.set_max_registers(_REGS[0], action="increase")
+            plgpu.set_max_registers(REGS[0], action="increase")
             total = schedule.total(table_ref, steps_of)
             ring.prime(total)
             k_s = k_smem.at[wg]
             v_s = v_smem.at[wg] if want_dk else None
-            mma = _Mma(interpret, None if stage is None else stage.at[wg])
+            mma = Mma(interpret, None if stage is None else stage.at[wg])
 
             def one_tile(kk, t, base):
                 tl = tile(t)
-                keys = tl.r0 + wg * _ROWS
+                keys = tl.r0 + wg * ROWS
                 per_head = tl.steps
-                gk = (tl.b, pl.ds(keys, _ROWS), tl.n)
+                gk = (tl.b, pl.ds(keys, ROWS), tl.n)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
                 plgpu.copy_gmem_to_smem(k_ref.at[gk], k_s, kv_bar.at[wg])
                 if want_dk:
@@ -1103,39 +765,39 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                     def step(j, carry, masked):
                         acc = dict(zip(parts, carry))
                         i = base + g * per_head + j - tl.lo
-                        slot = lax.rem(i, _i32(stages))
+                        slot = lax.rem(i, i32(stages))
                         plgpu.barrier_wait(loaded.at[slot])
                         q_t, do_t = q_smem.at[slot].transpose((1, 0)), do_smem.at[slot].transpose((1, 0))
                         if fresh_pair:
-                            st, dpt = mma.fresh([(k_s, q_t), (v_s, do_t)], (_ROWS, bq))
+                            st, dpt = mma.fresh([(k_s, q_t), (v_s, do_t)], (ROWS, bq))
                             st, c = _scores(st, spec)
                         else:
-                            st, c = _scores(mma(k_s, q_t, (_ROWS, bq)), spec)
+                            st, c = _scores(mma(k_s, q_t, (ROWS, bq)), spec)
                         lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                        pt = _exp2(st, c, _bcast(lse, st.shape, 1))
+                        pt = _exp2(st, c, bcast(lse, st.shape, 1))
                         if masked:
                             col_ids = _segment_ids(col_ids_smem, slot, 0)
                             pt = jnp.where(_allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
                         if not want_dk:
-                            acc["dv"] = mma(pt.astype(dt), do_smem.at[slot], (_ROWS, H), acc=acc["dv"], a_in_regs=True)
+                            acc["dv"] = mma(pt.astype(dt), do_smem.at[slot], (ROWS, H), acc=acc["dv"], a_in_regs=True)
                         elif not fresh_pair:
-                            acc["dv"], dpt = mma.two(acc["dv"], pt.astype(dt), do_smem.at[slot], v_s, do_t, (_ROWS, bq))
+                            acc["dv"], dpt = mma.two(acc["dv"], pt.astype(dt), do_smem.at[slot], v_s, do_t, (ROWS, bq))
                         if want_dk:
                             dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                            dst = pt * (dpt - _bcast(dl, st.shape, 1))
+                            dst = pt * (dpt - bcast(dl, st.shape, 1))
                             if spec.logit_soft_cap is not None:
                                 dst = dst * _cap_grad(st, spec)
                             if fa3_order:
                                 acc["dv"], acc["dk"] = mma.update([(acc["dv"], pt.astype(dt), do_smem.at[slot]),
                                                                    (acc["dk"], dst.astype(dt), q_smem.at[slot])])
                             else:
-                                acc["dk"] = mma(dst.astype(dt), q_smem.at[slot], (_ROWS, H), acc=acc["dk"], a_in_regs=True)
+                                acc["dk"] = mma(dst.astype(dt), q_smem.at[slot], (ROWS, H), acc=acc["dk"], a_in_regs=True)
                         ring.release(slot, i, total)
                         return tuple(acc[name] for name in parts)
 
                     return _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
 
-                accs = lax.fori_loop(0, G, head, tuple(_zeros((_ROWS, H)) for _ in parts))
+                accs = lax.fori_loop(0, G, head, tuple(zeros((ROWS, H)) for _ in parts))
                 # The results go out through the K/V buffers (every wgmma reading them is done).
                 for name, acc, buf in zip(parts, accs, (k_s, v_s)):
                     buf[...] = (acc * spec.scale if name == "dk" else acc).astype(dt)
@@ -1146,16 +808,16 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
             schedule.run(table_ref, one_tile)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _WGS)
+        @pl.when(wg == WGS)
         def _producer():
-            plgpu.set_max_registers(_REGS[1], action="decrease")
+            plgpu.set_max_registers(REGS[1], action="decrease")
 
             def one_tile(kk, t, base):
                 tl = tile(t)
                 per_head = jnp.maximum(tl.steps, 1)
 
                 def load(i, c):
-                    slot = lax.rem(base + i, _i32(stages))
+                    slot = lax.rem(base + i, i32(stages))
                     n = tl.n * G + lax.div(i, per_head)
                     t0 = (tl.lo + lax.rem(i, per_head)) * bq
                     ring.acquire(slot, base + i)
@@ -1177,12 +839,12 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     tr = _block_transforms(dt, bq)  # one swizzle for every wgmma operand; 32-query blocks need 64 B
 
     scratch = [
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr) if want_dk else None,
+        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr) if want_dk else None,
         plgpu.SMEM((stages, bq, H), dt, transforms=tr),
         plgpu.SMEM((stages, bq, H), dt, transforms=tr),
-        plgpu.SMEM((stages, bq), _F32),
-        plgpu.SMEM((stages, bq), _F32) if want_dk else None,
+        plgpu.SMEM((stages, bq), F32),
+        plgpu.SMEM((stages, bq), F32) if want_dk else None,
         *_staging_and_segment_buffers(dt, bq, stages, interpret, segmented),
     ]
     # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
@@ -1190,7 +852,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                               segmented=segmented)
     kv_type = jax.ShapeDtypeStruct(k.shape, dt)
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
-    return _launch(name, kernel, scratch, bars, tuple(kv_type for _ in parts), schedule, interpret)(
+    return launch(name, kernel, scratch, bars, tuple(kv_type for _ in parts), schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
 
 
@@ -1208,17 +870,17 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
     bkv = _dq_block_kv(H)
-    assert bkv >= _CTA or not fused_delta, "the O rows of a tile go through one K ring slot"
+    assert bkv >= CTA or not fused_delta, "the O rows of a tile go through one K ring slot"
     item = jnp.dtype(dt).itemsize
     segmented = q_segment_ids is not None
     assert not (segmented and fused_delta), "the O rows' ring use has no segment ids copy"
-    stages = _stages(2 * bkv * H * item + (4 * bkv if segmented else 0), 2 * _CTA * H * item)
+    stages = _stages(2 * bkv * H * item + (4 * bkv if segmented else 0), 2 * CTA * H * item)
     band = _Band.forward(spec, tails)
     interpret = interpret_enabled()
-    tile_at = lambda t, reach=None: _Tile.of(t, (N, T // _CTA, B), band, bkv, S, last_first=True, reach=reach)
+    tile_at = lambda t, reach=None: _Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
     first = 1 if fused_delta else 0  # ring uses before the key blocks
     persistent = H in _PERSISTENT_DQ_HEAD_DIMS and not segmented
-    schedule = _Schedule.of(lambda t: tile_at(t).steps + first, (N, T // _CTA, B), persistent, interpret)
+    schedule = Schedule.of(lambda t: tile_at(t).steps + first, (N, T // CTA, B), persistent, interpret)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, row_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                dq_ref, *rest):
@@ -1226,23 +888,23 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
         (q_smem, do_smem, k_smem, v_smem, lse_smem, row_smem, delta_smem, stage, row_ids_smem, col_ids_smem,
          q_bar, loaded, free) = rest[-13:]
         wg = lax.axis_index("wg")
-        ring = _SlotFree(free, stages, _FIRST_NAMED_BARRIER, named=False)
+        ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         steps_of = lambda t: tile(t).steps + first
 
-        @pl.when(wg < _WGS)
+        @pl.when(wg < WGS)
         def _consumer():
-            plgpu.set_max_registers(_REGS[0], action="increase")
+            plgpu.set_max_registers(REGS[0], action="increase")
             total = schedule.total(table_ref, steps_of)
             ring.prime(total)
             q_s, do_s = q_smem.at[wg], do_smem.at[wg]
-            mma = _Mma(interpret, None if stage is None else stage.at[wg])
+            mma = Mma(interpret, None if stage is None else stage.at[wg])
 
             def one_tile(kk, t, base):
                 tl = tile(t)
-                rows = tl.r0 + wg * _ROWS
-                gq = (tl.b, pl.ds(rows, _ROWS), tl.n)
-                row_stats = (tl.b, tl.n, pl.ds(rows, _ROWS))
+                rows = tl.r0 + wg * ROWS
+                gq = (tl.b, pl.ds(rows, ROWS), tl.n)
+                row_stats = (tl.b, tl.n, pl.ds(rows, ROWS))
                 plgpu.copy_gmem_to_smem(do_ref.at[gq], do_s, q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(lse_ref.at[row_stats], lse_smem.at[wg], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(row_ref.at[row_stats], row_smem.at[wg], q_bar.at[wg])
@@ -1256,10 +918,10 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
                 row_ids = _segment_ids(row_ids_smem, wg, 1)
                 if fused_delta:
                     # Ring use `base`: this tile's O rows, WG w's at rows [64 w, 64 w + 64) of the K slot.
-                    o_slot = lax.rem(base, _i32(stages))
+                    o_slot = lax.rem(base, i32(stages))
                     plgpu.barrier_wait(loaded.at[o_slot])
-                    wgmma_rows = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(_F32)
-                    o_s = k_smem.at[o_slot, pl.ds(pl.multiple_of(wg * _ROWS, _ROWS), _ROWS)]
+                    wgmma_rows = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(F32)
+                    o_s = k_smem.at[o_slot, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)]
                     dl = jnp.sum(wgmma_rows(do_s) * wgmma_rows(o_s), axis=1) - dl
                     ring.release(o_slot, base, total)
                     delta_smem.at[wg][...] = dl
@@ -1268,22 +930,22 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
                 def step(j, dq, masked):
                     i = base + first + j - tl.lo
-                    slot = lax.rem(i, _i32(stages))
+                    slot = lax.rem(i, i32(stages))
                     plgpu.barrier_wait(loaded.at[slot])
-                    s, c = _scores(mma(q_s, k_smem.at[slot].transpose((1, 0)), (_ROWS, bkv)), spec)
-                    p = _exp2(s, c, _bcast(lse, s.shape, 0))
+                    s, c = _scores(mma(q_s, k_smem.at[slot].transpose((1, 0)), (ROWS, bkv)), spec)
+                    p = _exp2(s, c, bcast(lse, s.shape, 0))
                     if masked:
                         col_ids = _segment_ids(col_ids_smem, slot, 0)
                         p = jnp.where(_allowed(band, rows, j * bkv, s.shape, row_ids, col_ids), p, 0.0)
-                    dp = mma(do_s, v_smem.at[slot].transpose((1, 0)), (_ROWS, bkv))
-                    ds = p * (dp - _bcast(dl, s.shape, 0))
+                    dp = mma(do_s, v_smem.at[slot].transpose((1, 0)), (ROWS, bkv))
+                    ds = p * (dp - bcast(dl, s.shape, 0))
                     if spec.logit_soft_cap is not None:
                         ds = ds * _cap_grad(s, spec)
-                    dq = mma(ds.astype(dt), k_smem.at[slot], (_ROWS, H), acc=dq, a_in_regs=True)
+                    dq = mma(ds.astype(dt), k_smem.at[slot], (ROWS, H), acc=dq, a_in_regs=True)
                     ring.release(slot, i, total)
                     return dq
 
-                dq = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, _zeros((_ROWS, H)), band, segmented)
+                dq = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, zeros((ROWS, H)), band, segmented)
                 q_s[...] = (dq * spec.scale).astype(dt)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_s, dq_ref.at[gq])
@@ -1292,23 +954,23 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
             schedule.run(table_ref, one_tile)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _WGS)
+        @pl.when(wg == WGS)
         def _producer():
-            plgpu.set_max_registers(_REGS[1], action="decrease")
+            plgpu.set_max_registers(REGS[1], action="decrease")
 
             def one_tile(kk, t, base):
                 tl = tile(t)
-                kh = lax.div(tl.n, _i32(G))
+                kh = lax.div(tl.n, i32(G))
                 if fused_delta:
-                    slot = lax.rem(base, _i32(stages))
+                    slot = lax.rem(base, i32(stages))
                     ring.acquire(slot, base)
-                    for w in range(_WGS):  # two copies: the slot's "loaded" barrier counts two arrivals
-                        o_rows = (tl.b, pl.ds(tl.r0 + w * _ROWS, _ROWS), tl.n)
-                        plgpu.copy_gmem_to_smem(o_ref.at[o_rows], k_smem.at[slot, pl.ds(w * _ROWS, _ROWS)],
+                    for w in range(WGS):  # two copies: the slot's "loaded" barrier counts two arrivals
+                        o_rows = (tl.b, pl.ds(tl.r0 + w * ROWS, ROWS), tl.n)
+                        plgpu.copy_gmem_to_smem(o_ref.at[o_rows], k_smem.at[slot, pl.ds(w * ROWS, ROWS)],
                                                 loaded.at[slot])
 
                 def load(i, c):
-                    slot = lax.rem(base + first + i, _i32(stages))
+                    slot = lax.rem(base + first + i, i32(stages))
                     ring.acquire(slot, base + first + i)
                     keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], loaded.at[slot])
@@ -1325,20 +987,20 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     tr = _block_transforms(dt, bkv)  # one swizzle for every wgmma operand; 32-key blocks need 64 B
 
     scratch = [
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((_WGS, _ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
-        plgpu.SMEM((_WGS, _ROWS), _F32),
-        plgpu.SMEM((_WGS, _ROWS), _F32),
-        plgpu.SMEM((_WGS, _ROWS), _F32),
+        plgpu.SMEM((WGS, ROWS), F32),
+        plgpu.SMEM((WGS, ROWS), F32),
+        plgpu.SMEM((WGS, ROWS), F32),
         *_staging_and_segment_buffers(dt, bkv, stages, interpret, segmented),
     ]
     # Tile copies: dO, lse, the row term, Q; slot copies: K, V (or a tile's O rows, two halves).
     bars = _backward_barriers(tile_copies=4, slot_copies=2, stages=stages, segmented=segmented)
     out_type = (jax.ShapeDtypeStruct(q.shape, dt),) + (
-        (jax.ShapeDtypeStruct((B, N, T), _F32),) if fused_delta else ())
-    return _launch("attention_dq", kernel, scratch, bars, out_type, schedule, interpret)(
+        (jax.ShapeDtypeStruct((B, N, T), F32),) if fused_delta else ())
+    return launch("attention_dq", kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, do, out, lse2, row_term, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
 
 
@@ -1347,7 +1009,7 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     H = q.shape[3]
     tails = _Tails.of(q, k)
     dt = q.dtype
-    dlse = jnp.broadcast_to(dlse, lse.shape).astype(_F32)
+    dlse = jnp.broadcast_to(dlse, lse.shape).astype(F32)
     # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0; so do the
     # rows past T (`_Tails`), whose dO is 0.
     lse2 = tails.row_stats(jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf), jnp.inf)
@@ -1356,11 +1018,11 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     segments = tails.ids(q_segment_ids, kv_segment_ids)
     # delta in the dQ kernel needs a key block that holds a tile's O rows (`_dq`).
     if (_DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None
-            and _dq_block_kv(H) >= _CTA):
+            and _dq_block_kv(H) >= CTA):
         dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
     else:
         rows = slice(0, tails.T)
-        delta = jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(_F32), out[:, rows].astype(_F32)) - dlse
+        delta = jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(F32), out[:, rows].astype(F32)) - dlse
         delta = tails.row_stats(delta)
         (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
     if H <= 128:

@@ -63,8 +63,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.xla import linear_cross_entropy as xla_lce
 from forgeax.kernels.pallas.interpret import without_effects
-from forgeax.kernels.pallas.gpu import gpu_refusal
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
+from forgeax.ops.interface import Implementation, gpu_sm_count, interpret_enabled
 
 _F32 = jnp.float32
 _WG_ROWS = 128  # rows per compute warpgroup (a 128 x 128 f32 accumulator = 128 registers/thread)
@@ -116,20 +116,9 @@ class Config:
 CONFIG = Config()  # read at trace time: assign another Config to try one
 
 
-def _interpret():
-    return plgpu.InterpretGPUParams() if interpret_enabled() else None
-
-
-def _num_sms() -> int:
-    try:
-        return int(getattr(jax.devices("gpu")[0], "core_count", 132) or 132)
-    except RuntimeError:  # no GPU here (interpret mode, cross-lowering on CPU)
-        return 132
-
-
 def _splits(row_blocks: int, tiles: int) -> int:
     """Vocabulary splits: enough CTAs for ~_WAVES per SM, at least 2 tiles per split."""
-    want = -(-_WAVES * _num_sms() // row_blocks)
+    want = -(-_WAVES * gpu_sm_count() // row_blocks)
     return max(1, min(want, tiles // 2 or 1))
 
 
@@ -294,7 +283,7 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
         grid=(splits, row_blocks),  # row blocks fastest: CTAs running together share W tiles in L2
         grid_names=("v", "m"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret(),
+        interpret=interpret_params(),
         **threads,
     )
     if interpret_enabled():  # the interpreter's effects would block jax.checkpoint: hide them

@@ -48,8 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.norms import NormKernels, differentiable_norm, rms_only, row_count
-from forgeax.kernels.pallas.gpu import gpu_refusal
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
+from forgeax.ops.interface import Implementation
 
 _F32 = jnp.float32
 _LANES = 32
@@ -81,10 +81,6 @@ def _compiler_params(*, no_auto_barriers: bool):
     return plgpu.CompilerParams(
         lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=no_auto_barriers
     )
-
-
-def _interpret():
-    return plgpu.InterpretGPUParams() if interpret_enabled() else None
 
 
 class _Tiles:
@@ -196,7 +192,7 @@ def _forward(x, scale, offset, *, eps, centered):
         # location both read and written): the automatic warpgroup barrier
         # after each store is not needed (CompilerParams docs).
         compiler_params=_compiler_params(no_auto_barriers=True),
-        interpret=_interpret(),
+        interpret=interpret_params(),
     )(*args)
     if pad:
         y, rstd, mean = y[:rows], rstd[:rows], [m[:rows] for m in mean]
@@ -301,7 +297,7 @@ def _backward(x, scale, stats, dy, *, eps, centered, with_offset):
         grid=(n_ctas,),
         grid_names=("ctas",),
         compiler_params=_compiler_params(no_auto_barriers=False),
-        interpret=_interpret(),
+        interpret=interpret_params(),
     )(x, dy, scale.astype(_F32), *stats)
     dx = dx[:rows] if r_pad else dx
     doffset = jnp.sum(doffset[0], axis=(0, 1)) if with_offset else None

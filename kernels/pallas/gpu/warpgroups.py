@@ -1,0 +1,372 @@
+"""Building blocks of the warp-specialised Mosaic GPU attention kernels (Hopper).
+
+Every kernel in kernels/pallas/gpu/attention.py has one shape of CTA: `WGS` consumer warpgroups
+of `ROWS` rows each (the wgmma M; `CTA` rows together) and one producer warpgroup that streams
+operands into a ring of SMEM slots by TMA. What they share lives here:
+  * `named_barrier`, `SlotFree`, `PingPong`: synchronisation on hardware named barriers (and the
+    mbarriers that stand in for them in interpret mode);
+  * `balance`, `Schedule`: one CTA per tile, or a persistent grid (one CTA per SM) running the
+    tiles a balanced table gives it, in tile order;
+  * `Mma`: acc + a @ b on the tensor cores, with the several-wgmmas-per-wait forms the kernels
+    use, and its interpret-mode fallbacks (register LHS staged through SMEM);
+  * `launch`: the plgpu.kernel of such a CTA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from forgeax.ops.interface import gpu_sm_count
+
+F32 = jnp.float32
+ROWS = 64  # rows per consumer warpgroup (the wgmma M)
+WGS = 2  # consumer warpgroups per CTA
+CTA = ROWS * WGS
+
+INTERPRET_CTAS = 2  # interpret mode: two CTAs, most with several tiles (uneven counts)
+# Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
+# 232 + 40 ptxas spilled in the overlapped forward (12 bytes) and in a backward kernel (48 bytes).
+REGS = (240, 24)
+FIRST_NAMED_BARRIER = 4  # Mosaic GPU uses 0 (CTA) and 1..num_threads (one per warpgroup)
+WG_THREADS = 128
+
+
+def i32(x):
+    return jnp.asarray(x, jnp.int32)
+
+
+def transforms(dtype, swizzle=128):
+    # wgmma's K must be a multiple of swizzle / itemsize: 64-byte swizzle for 32-wide K blocks.
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def compiler_params():
+    return plgpu.CompilerParams(approx_math=True)
+
+
+# ----------------------------------------------------------------------------- synchronisation
+
+
+def named_barrier(op: str, barrier_id, threads: int):
+    """PTX `bar.arrive` (does not block) or `bar.sync` (blocks) on a hardware named barrier,
+    which completes once `threads` threads have arrived or synced on it."""
+    if isinstance(barrier_id, int):
+        plgpu.inline_mgpu()(lambda _: mgpu.utils.inline_ptx(
+            f"bar.{op} {barrier_id}, {threads};", has_side_effects=True, convergent=True))()
+        return
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def emit(_, bid):
+        mgpu.utils.inline_ptx(f"bar.{op} $0, {threads};", bid.registers[()], has_side_effects=True, convergent=True)
+
+    emit(i32(barrier_id))
+
+
+class SlotFree:
+    """'This ring slot may be refilled': the consumer warpgroups release a slot after their last
+    read of it, the producer acquires it before the TMA that overwrites it.
+
+    Named barriers (the forward on the GPU): one per slot, counting 128 threads per consumer plus
+    the producer's 128; the consumers pre-release the first `stages` slots so the producer
+    acquires before every load, and release use i only when a load i + stages follows, so
+    arrivals and syncs pair up exactly. Otherwise an mbarrier per slot that the producer waits on
+    from load `stages` on: interpret mode has no named barriers, and the backward kernels
+    measured slower with them (causal B4 T4096 N32 H128 fwd+bwd 4.51 against 4.44 ms).
+    """
+
+    def __init__(self, bars, stages: int, first_id: int, named: bool):
+        self.bars, self.stages, self.first_id, self.named = bars, stages, first_id, named
+
+    @property
+    def next_id(self) -> int:
+        return self.first_id + (self.stages if self.named else 0)
+
+    def _arrive(self, slot):
+        if self.named:
+            named_barrier("arrive", self.first_id + slot, WG_THREADS * (WGS + 1))
+        else:
+            plgpu.barrier_arrive(self.bars.at[slot])
+
+    def prime(self, loads):
+        """Consumers, before their loop over `loads` uses of the ring."""
+        if self.named:
+            for slot in range(self.stages):
+                pl.when(slot < loads)(functools.partial(self._arrive, slot))
+
+    def release(self, slot, i, loads):
+        pl.when(i + self.stages < loads)(lambda: self._arrive(slot))
+
+    def acquire(self, slot, i):
+        if self.named:
+            named_barrier("sync", self.first_id + slot, WG_THREADS * (WGS + 1))
+        else:
+            pl.when(i >= self.stages)(lambda: plgpu.barrier_wait(self.bars.at[slot]))
+
+
+class PingPong:
+    """FA3's ping-pong between the two consumer warpgroups, on two named barriers: `turn()` waits
+    until the other WG has handed the tensor cores over (`handover()`, which never blocks), so one
+    WG runs its softmax while the other's matmuls run. Scheduling only (no data depends on it):
+    a no-op in interpret mode, which has no named barriers."""
+
+    def __init__(self, wg, first_id: int, enabled: bool):
+        self.wg, self.first_id, self.enabled = wg, first_id, enabled
+
+    def turn(self):
+        if self.enabled:
+            named_barrier("sync", self.first_id + self.wg, 2 * WG_THREADS)
+
+    def handover(self):
+        if self.enabled:
+            named_barrier("arrive", self.first_id + 1 - self.wg, 2 * WG_THREADS)
+
+    def realign(self):
+        """Both consumers meet (persistent grid, before each tile). Without it, WG 0 could hand
+        over at the end of one tile and again in the next before WG 1's matching turn, and a
+        named barrier would count those two arrivals as one completed phase."""
+        if self.enabled:
+            named_barrier("sync", self.first_id + 2, 2 * WG_THREADS)
+
+
+
+# ----------------------------------------------------------------------------- tile schedules
+
+
+def unravel(t, dims):
+    """Tile id -> one index per axis of `dims`, the first axis fastest."""
+    idx = []
+    for d in dims[:-1]:
+        idx.append(lax.rem(t, i32(d)))
+        t = lax.div(t, i32(d))
+    return (*idx, t)
+
+
+def balance(steps: np.ndarray, ctas: int) -> np.ndarray:
+    """Tiles to CTAs in tile order, each to the CTA with the least work so far (its tiles' ring
+    uses plus one each for the prologue/epilogue; ties to the lower CTA): what the hardware does
+    with one CTA per tile, known ahead. In tile order (heads fastest, then query blocks: the
+    `tile` of attention.py's `_forward`) the ~#SMs tiles running at one time are a few query blocks of every head of one
+    batch, so each head's K/V is read by several of them at about the same time (L2 reuse).
+    Sorting all tiles longest first instead (LPT) runs one query block of every (batch, head) at
+    once, each streaming K/V no other tile reads: causal H = 64 0.787 against 0.692 ms, H = 128
+    1.515 against 1.002-1.016 (H100, results/attention_persistent_forward_in_order.json). Round
+    robin (tile i on CTA i mod #SMs) leaves the causal lengths unbalanced (GQA 0.999 against 0.892
+    ms per tile, H200).
+    Returns [ctas, 1 + R] int32: each CTA's tile count, then its tile ids in the order to run."""
+    heap = [(0, c) for c in range(ctas)]
+    lists = [[] for _ in range(ctas)]
+    for t in range(len(steps)):
+        work, c = heapq.heappop(heap)
+        lists[c].append(t)
+        heapq.heappush(heap, (work + int(steps[t]) + 1, c))
+    table = np.zeros((ctas, 1 + max(map(len, lists))), np.int32)
+    for c, ts in enumerate(lists):
+        table[c, 0] = len(ts)
+        table[c, 1:1 + len(ts)] = ts
+    return table
+
+
+TILE_AXES = ("heads", "rows", "batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which tiles a CTA runs. One CTA per tile: the grid is the tiles' (heads, row tiles, batch)
+    and a tile is its grid indices. Persistent (ctas = #SMs, grid axis "cta"): the tiles
+    `balance` gives the CTA, by id (heads fastest), read from a table input."""
+
+    dims: tuple[int, int, int]
+    ctas: int
+    table: np.ndarray | None
+
+    @classmethod
+    def of(cls, steps_of, dims: tuple[int, int, int], persistent: bool, interpret: bool) -> Schedule:
+        """steps_of(tile id) -> the tile's ring uses (traceable, evaluated here for every tile)."""
+        tiles = math.prod(dims)
+        ctas = min(tiles, INTERPRET_CTAS if interpret else gpu_sm_count())
+        if not persistent or ctas == tiles:
+            return cls(dims, tiles, None)
+        with jax.ensure_compile_time_eval():
+            steps = np.asarray(jax.vmap(steps_of)(jnp.arange(tiles, dtype=jnp.int32)))
+        return cls(dims, ctas, balance(steps, ctas))
+
+    @property
+    def grid(self) -> dict:
+        """plgpu.kernel's grid arguments."""
+        if self.table is None:
+            return dict(grid=self.dims, grid_names=TILE_AXES)
+        return dict(grid=(self.ctas,), grid_names=("cta",))
+
+    def input(self) -> jax.Array:
+        """The table, an extra kernel input (a placeholder when there is none)."""
+        return jnp.asarray(np.zeros((1, 1), np.int32) if self.table is None else self.table)
+
+    def run(self, table_ref, body):
+        """body(kk, tile, base) -> base + the ring uses of that tile, over this CTA's tiles
+        (base: the ring uses of its earlier tiles, so ring slots and barrier phases carry on)."""
+        if self.table is None:
+            return body(i32(0), self.tile(table_ref, 0), i32(0))
+        cta = lax.axis_index("cta")
+        return lax.fori_loop(0, table_ref[cta, 0], lambda kk, base: body(kk, table_ref[cta, kk + 1], base), i32(0))
+
+    def total(self, table_ref, steps_of):
+        """Ring uses of all this CTA's tiles."""
+        return self.run(table_ref, lambda kk, t, base: base + steps_of(t))
+
+    def has_next(self, table_ref, kk):
+        return kk + 1 < (1 if self.table is None else table_ref[lax.axis_index("cta"), 0])
+
+    def tile(self, table_ref, kk):
+        """The kk-th tile of this CTA: its grid indices (one CTA per tile, so the kernel divides
+        no tile id) or its id."""
+        if self.table is None:
+            return tuple(lax.axis_index(name) for name in TILE_AXES)
+        return table_ref[lax.axis_index("cta"), kk + 1]
+
+
+# ----------------------------------------------------------------------------- wgmma
+
+
+class Mma:
+    """acc + a @ b on the tensor cores; `a` an SMEM ref or a 16-bit register array (WGMMA layout).
+
+    On the GPU a register LHS feeds wgmma directly and the accumulator is updated in place
+    (`run_state` + `ACC.init`). In interpret mode (which supports neither) a register LHS is
+    staged through `stage` (this WG's SMEM buffer) and the product is added to acc.
+    """
+
+    def __init__(self, interpret: bool, stage=None):
+        self.interpret, self.stage = interpret, stage
+
+    def __call__(self, a, b, shape, acc=None, a_in_regs=False, after_issue=None):
+        if a_in_regs and self.interpret:
+            self.stage[...] = a
+            plgpu.commit_smem()
+            a = self.stage
+        if self.interpret or acc is None:
+            def run(acc_ref):
+                plgpu.wgmma(acc_ref, a, b)
+                if after_issue is not None:  # runs while the wgmma is in flight
+                    after_issue()
+                return acc_ref[...]
+
+            out = pl.run_scoped(run, plgpu.ACC(shape, F32))
+            return out if acc is None else acc + out
+
+        def update(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            if after_issue is not None:
+                after_issue()
+
+        return pl.run_state(update)(plgpu.ACC.init(acc))
+
+    def two(self, acc, a, b, a2, b2, shape2):
+        """(acc + a @ b, a2 @ b2) with a in registers: on the GPU both wgmmas are issued before
+        one wait (one wgmma.wait_group instead of two)."""
+        if self.interpret:
+            return self(a, b, acc.shape, acc=acc, a_in_regs=True), self(a2, b2, shape2)
+
+        def update(refs):
+            plgpu.wgmma(refs[0], a, b)
+            plgpu.wgmma(refs[1], a2, b2)
+
+        return pl.run_state(update)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros(shape2))))
+
+    def fresh(self, products, shape):
+        """[a @ b for (a, b) in products], SMEM operands: on the GPU all issued before one wait."""
+        if self.interpret:
+            return [self(a, b, shape) for a, b in products]
+
+        def run(*refs):
+            for ref, (a, b) in zip(refs, products):
+                plgpu.wgmma(ref, a, b)
+            return tuple(ref[...] for ref in refs)
+
+        return pl.run_scoped(run, *[plgpu.ACC(shape, F32) for _ in products])
+
+    def update(self, items):
+        """[acc + a @ b for (acc, a, b) in items], a in registers: on the GPU all issued before one wait."""
+        if self.interpret:
+            return [self(a, b, acc.shape, acc=acc, a_in_regs=True) for acc, a, b in items]
+
+        def run(refs):
+            for ref, (_, a, b) in zip(refs, items):
+                plgpu.wgmma(ref, a, b)
+
+        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in items))
+
+    def overlapped(self, a, b, shape, a2, b2, acc2, between, init, after_issue=None):
+        """(acc2 + a2 @ b2, between(a @ b)), a2 in registers: on the GPU both wgmmas are issued
+        (a @ b first), `after_issue` runs, and `between` runs on a @ b while a2 @ b2 is still in
+        flight (FA3's intra-warpgroup overlap). `init` is shaped like between's result."""
+        if self.interpret:
+            s = self(a, b, shape)
+            acc2 = self(a2, b2, acc2.shape, acc=acc2, a_in_regs=True)
+            if after_issue is not None:
+                after_issue()
+            return acc2, between(s)
+
+        def body(refs):
+            acc_ref, out_refs = refs
+
+            def first(s_ref):
+                plgpu.wgmma(s_ref, a, b)
+                plgpu.wgmma(acc_ref, a2, b2)
+                if after_issue is not None:
+                    after_issue()
+                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # a @ b only
+
+            out = between(pl.run_scoped(first, plgpu.ACC(shape, F32)))
+            for ref, value in zip(jax.tree.leaves(out_refs), jax.tree.leaves(out)):
+                ref[...] = value
+
+        return pl.run_state(body)((plgpu.ACC.init(acc2), init))
+
+
+def zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
+
+
+def full_rows(n, value, axis):
+    return plgpu.layout_cast(jnp.full((n,), value, F32), plgpu.Layout.WGMMA.reduce(axis))
+
+
+def bcast(v, shape, dim):
+    return lax.broadcast_in_dim(v, shape, [dim])
+
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def launch(name: str, kernel, scratch, barriers, out_type, schedule: Schedule, interpret: bool):
+    """The plgpu.kernel of every attention kernel: `WGS` consumer warpgroups and a producer
+    over the schedule's grid, running kernel(*inputs, *outputs, *scratch, *barriers) with every
+    SMEM buffer and barrier allocated once for all warpgroups (a None scratch entry stays None:
+    a buffer this call does not need). `name` is the kernel's name in profiles."""
+
+    def body(*refs):
+        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        **schedule.grid,
+        num_threads=WGS + 1,
+        thread_name="wg",
+        compiler_params=compiler_params(),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=name,
+    )
+
