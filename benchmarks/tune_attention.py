@@ -9,7 +9,8 @@ tracing (kernels read them at trace time), builds fwd and fwd+bwd at the benchma
 (B4 T=S=4096 N32 H128 bf16 causal unless --shape says otherwise) and is timed in interleaved
 rounds with cuDNN (tools/bench.py's method); the output and the gradients are checked against
 cuDNN's (a variant off by more than 2e-2 relative is reported and dropped). With
---logit-soft-cap, which cuDNN lacks, the first variant takes cuDNN's place as anchor and check.
+--logit-soft-cap or --documents (packed sequences), which cuDNN lacks, the first variant takes
+cuDNN's place as anchor and check.
 """
 
 from __future__ import annotations
@@ -62,14 +63,17 @@ def jitted_steps(fn):
     return jax.jit(fn), jax.jit(fwd_bwd)
 
 
-def attention_calls(backends, *, causal: bool, window=None, logit_soft_cap=None) -> dict:
+def attention_calls(backends, *, causal: bool, window=None, logit_soft_cap=None, segment_ids=None) -> dict:
     """name -> fn(q, k, v): the cuDNN anchor (jax.nn.dot_product_attention; left out with a soft
-    cap, which it lacks), then each forgeax backend by name ('default': backend=None)."""
-    calls = {} if logit_soft_cap is not None else {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")}
+    cap or segment ids, which it lacks), then each forgeax backend by name ('default': backend=None)."""
+    calls = {}
+    if logit_soft_cap is None and segment_ids is None:
+        calls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")
     for backend in backends:
         calls[backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
-            q, k, v, causal=causal, window=window, logit_soft_cap=logit_soft_cap, backend=backend)
+            q, k, v, causal=causal, window=window, logit_soft_cap=logit_soft_cap, segment_ids=segment_ids,
+            backend=backend)
     return calls
 
 
@@ -95,6 +99,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None, help="left window size (with causal)")
     parser.add_argument("--logit-soft-cap", type=float, default=None,
                         help="soft cap (cuDNN has none: the first variant is the anchor)")
+    parser.add_argument("--documents", type=int, default=None, metavar="L",
+                        help="pack documents of L tokens into each row (segment ids; cuDNN has none: "
+                             "the first variant is the anchor)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="-")
@@ -114,11 +121,18 @@ def main() -> None:
     if window is not None:
         far = max(T - args.window - 1, 0)
         pairs -= far * (far + 1) / 2
+    segment_ids = None
+    if args.documents is not None:  # (window and documents together: not counted here)
+        L = args.documents
+        ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // L, (B, T))
+        segment_ids = (ids, ids)
+        docs = [min(L, T - s) for s in range(0, T, L)]
+        pairs = sum(n * (n + 1) / 2 if causal else n * n for n in docs)
     flops = 4.0 * B * N * H * pairs
 
     cap = args.logit_soft_cap
     candidates = {name: jitted_steps(fn) for name, fn in
-                  attention_calls([], causal=causal, window=window, logit_soft_cap=cap).items()}
+                  attention_calls([], causal=causal, window=window, logit_soft_cap=cap, segment_ids=segment_ids).items()}
     defaults = {}
     for variant in args.variant or ["default"]:
         settings = _parse(variant, module)
@@ -128,8 +142,8 @@ def main() -> None:
             if dataclasses.is_dataclass(defaults[name]) and isinstance(value, tuple):
                 value = type(defaults[name])(*value)  # a config dataclass from its fields in order
             setattr(module, name, value)
-        fns = jitted_steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, window=window,
-                                                         logit_soft_cap=cap, backend=args.backend))
+        fns = jitted_steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, window=window, logit_soft_cap=cap,
+                                                         segment_ids=segment_ids, backend=args.backend))
         # Trace + compile now, while the constants hold this variant's values.
         try:
             jax.block_until_ready(fns[0](q, k, v))
@@ -162,7 +176,7 @@ def main() -> None:
     if args.out != "-":
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, backend=args.backend, shape=args.shape, causal=causal,
-                           window=window, logit_soft_cap=cap, results=results, fwd_bwd_kernel_ms=kernels), f,
+                           window=window, logit_soft_cap=cap, documents=args.documents, results=results, fwd_bwd_kernel_ms=kernels), f,
                           indent=1)
 
 

@@ -172,6 +172,8 @@ PERSISTENT_CASES = {
     "full_T<S": (1024, 2048, dict()),
     "causal_T>S": (2048, 1024, dict(causal=True)),
     "window": (2048, 2048, dict(causal=True, window=(300, 0))),
+    # Packed documents: at head_dim 64 the forward stays persistent, its tiles dealt in tile order.
+    "packed": (2048, 2048, dict(causal=True, segment_ids=(_documents(2, 2048, 300, 7),) * 2)),
 }
 
 

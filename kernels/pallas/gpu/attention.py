@@ -33,8 +33,9 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     table, `_within_reach`), the masked steps also compare the row ids (loaded once per tile)
     with the column block's ids (TMA'd into the ring with K, or with Q/dO in the dK/dV kernel),
     and only blocks inside one segment shared by the whole tile stay unmasked. The blocks then
-    depend on the data, so these calls run one CTA per tile (no balanced persistent table) and
-    the dQ kernel reads delta from XLA.
+    depend on the data, so the backward kernels run one CTA per tile and the dQ kernel reads
+    delta from XLA; the forward at H = 64 stays persistent, its tiles dealt in tile order with
+    equal weights (`_PERSISTENT_SEGMENTED_HEAD_DIMS`).
 
 Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except under a left
 window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
@@ -115,6 +116,16 @@ _OVERLAP_HEAD_DIMS = (128,)
 # An earlier GPU run of test_pallas_gpu_persistent (then _forward) stalled (at causal T > S, whose
 # first tiles see no key): the ping-pong hazard `PingPong.realign` closes.
 _PERSISTENT_HEAD_DIMS = (64, 128)
+# Persistent forward with segment ids (packed sequences) at these head dims. A tile's blocks then
+# depend on the data, which the schedule's table, built ahead, cannot know: the tiles are dealt to
+# the CTAs in tile order with equal weights (`_schedule_weights`). Against one CTA per tile (H200,
+# benchmarks/tune_attention.py --documents L, causal T16384, forward kernel ms by CUPTI; results/
+# attention_H200_2026-11-26_persistent_segmented.json): H = 64 GQA N32/KV8 with documents of 512
+# 0.144 against 0.204, of 2048 0.358 against 0.420, one document 2.465 against 2.450; B4 T4096
+# N32 with documents of 1024 0.217 against 0.278. At H = 128 it lost (documents of 512 0.350
+# against 0.277, of 2048 0.682 against 0.572), and so did the dK/dV kernel dealt the same way
+# under GQA (H = 64 documents of 2048 0.913 against 0.627 ms), which stays one CTA per tile.
+_PERSISTENT_SEGMENTED_HEAD_DIMS = (64,)
 # Persistent backward kernels (`Schedule` in tile order, as the forward). CUPTI kernel ms on an H100
 # (benchmarks/tune_attention.py --kernel-times, medians of 3 rounds,
 # results/attention_H100_persistent_backward.json), persistent against one CTA per tile: dK/dV at
@@ -158,6 +169,12 @@ _DKV_FA3_ORDER_HEAD_DIMS = (64,)
 # 3-7% slower on the third, which ran power-capped (up to 692 W, SM clock down to ~1340 MHz;
 # causal H128 4.58 / 4.70 against 4.40 / 4.38 ms for two copies of each, GQA 4.15 / 4.22 against
 # 4.04 / 4.10). Not kept: sustained training runs power-capped, where it lost.
+
+
+def _schedule_weights(steps_of, segmented: bool):
+    """What `Schedule.of` balances the tiles by: their ring uses, or with segment ids (which it
+    cannot know ahead; the kernel counts each tile's real uses itself) equal weights."""
+    return (lambda t: t * 0 + 1) if segmented else steps_of
 
 
 def _within_reach(lo, full_lo, full_hi, hi, col_lo, col_hi, uniform, blk: int):
@@ -469,9 +486,9 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             tl = dataclasses.replace(tl, lo=lo, hi=jnp.maximum(tl.hi, lo + 1))
         return tl
 
-    # With segment ids a tile's blocks depend on the data, so the schedule cannot be balanced ahead.
-    persistent = H in _PERSISTENT_HEAD_DIMS and not segmented
-    schedule = Schedule.of(lambda t: tile_at(t).steps, (N, q_tiles, B), persistent, interpret)
+    persistent = H in (_PERSISTENT_SEGMENTED_HEAD_DIMS if segmented else _PERSISTENT_HEAD_DIMS)
+    schedule = Schedule.of(_schedule_weights(lambda t: tile_at(t).steps, segmented), (N, q_tiles, B), persistent,
+                           interpret)
 
     def kernel(q_ref, k_ref, v_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref, out_ref, lse_ref,
                q_smem, o_smem, k_smem, v_smem, lse_smem, stage, row_ids_smem, col_ids_smem,
@@ -724,7 +741,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
         return _Tile.of(t, (K, S // CTA, B), band, bq, T, last_first=False, reach=reach)
 
     # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS);
-    # with segment ids a tile's blocks depend on the data, so no balanced schedule.
+    # with segment ids dealing the tiles ahead measured slower too (_PERSISTENT_SEGMENTED_HEAD_DIMS).
     persistent = H in _PERSISTENT_DKV_HEAD_DIMS and spec.window_left is None and not segmented
     schedule = Schedule.of(lambda t: G * tile_at(t).steps, (K, S // CTA, B), persistent, interpret)
 
