@@ -34,8 +34,8 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     with the column block's ids (TMA'd into the ring with K, or with Q/dO in the dK/dV kernel),
     and only blocks inside one segment shared by the whole tile stay unmasked. The blocks then
     depend on the data, so the backward kernels run one CTA per tile and the dQ kernel reads
-    delta from XLA; the forward at H = 64 stays persistent, its tiles dealt in tile order with
-    equal weights (`_PERSISTENT_SEGMENTED_HEAD_DIMS`).
+    delta from XLA; the forward at H = 64 with at least 32 query heads stays persistent, its
+    tiles dealt in tile order with equal weights (`_PERSISTENT_SEGMENTED_HEAD_DIMS`).
 
 Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except under a left
 window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
@@ -125,7 +125,13 @@ _PERSISTENT_HEAD_DIMS = (64, 128)
 # N32 with documents of 1024 0.217 against 0.278. At H = 128 it lost (documents of 512 0.350
 # against 0.277, of 2048 0.682 against 0.572), and so did the dK/dV kernel dealt the same way
 # under GQA (H = 64 documents of 2048 0.913 against 0.627 ms), which stays one CTA per tile.
+# Dealt round robin, the tiles alias with the documents when #SMs / N (the stride in query tiles)
+# sits near a multiple of a document's tiles: a scheduling model (benchmarks/
+# segmented_schedule_model.py, not a measurement) predicts losses below about 24 query heads (16
+# heads, documents of 2048: 0.87x), so calls with fewer than `_PERSISTENT_SEGMENTED_MIN_HEADS`
+# (the measured 32) keep one CTA per tile.
 _PERSISTENT_SEGMENTED_HEAD_DIMS = (64,)
+_PERSISTENT_SEGMENTED_MIN_HEADS = 32
 # Persistent backward kernels (`Schedule` in tile order, as the forward). CUPTI kernel ms on an H100
 # (benchmarks/tune_attention.py --kernel-times, medians of 3 rounds,
 # results/attention_H100_persistent_backward.json), persistent against one CTA per tile: dK/dV at
@@ -486,7 +492,10 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             tl = dataclasses.replace(tl, lo=lo, hi=jnp.maximum(tl.hi, lo + 1))
         return tl
 
-    persistent = H in (_PERSISTENT_SEGMENTED_HEAD_DIMS if segmented else _PERSISTENT_HEAD_DIMS)
+    if segmented:
+        persistent = H in _PERSISTENT_SEGMENTED_HEAD_DIMS and N >= _PERSISTENT_SEGMENTED_MIN_HEADS
+    else:
+        persistent = H in _PERSISTENT_HEAD_DIMS
     schedule = Schedule.of(_schedule_weights(lambda t: tile_at(t).steps, segmented), (N, q_tiles, B), persistent,
                            interpret)
 
