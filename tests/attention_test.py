@@ -183,18 +183,20 @@ def test_pallas_gpu_persistent(case, H):
     _check("pallas_gpu", _qkv(2, T, S, 16, 8, H, jnp.bfloat16, seed=T + 5 * S + H), kwargs)
 
 
-@pytest.mark.skipif("pallas_gpu" not in BACKENDS, reason="pallas_gpu's persistent forward with segment ids")
-def test_pallas_gpu_persistent_packed(monkeypatch):
-    """With segment ids the head_dim-64 forward runs persistent (tiles dealt in tile order, each
-    tile's blocks read from the data) when there are enough query heads: 32 on the GPU; in the
-    interpreter (2 CTAs) the head threshold is lowered so that a small call takes that path."""
+@pytest.mark.skipif("pallas_gpu" not in BACKENDS, reason="pallas_gpu's persistent kernels with segment ids")
+@pytest.mark.parametrize("grouped", [True, False], ids=["gqa", "mha"])
+def test_pallas_gpu_persistent_packed(monkeypatch, grouped):
+    """With segment ids the head_dim-64 forward (and, with enough kv heads, the dK/dV kernel)
+    runs persistent, tiles dealt in tile order, each tile's blocks read from the data, when there
+    are at least 32 heads on the GPU; in the interpreter (2 CTAs) the threshold is lowered so that
+    a small call takes that path."""
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
 
     if ON_CPU:
         monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_SEGMENTED_MIN_HEADS", 1)
-        B, T, N, K, docs = 1, 384, 2, 1, 90
+        B, T, N, K, docs = 1, 384, 2, 1 if grouped else 2, 90
     else:
-        B, T, N, K, docs = 2, 2048, 32, 8, 300
+        B, T, N, K, docs = 2, 2048, 32, 8 if grouped else 32, 300
     ids = _documents(B, T, docs, 7)
     _check("pallas_gpu", _qkv(B, T, T, N, K, 64, jnp.bfloat16, seed=T + N), dict(causal=True, segment_ids=(ids, ids)))
 

@@ -33,9 +33,10 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     table, `_within_reach`), the masked steps also compare the row ids (loaded once per tile)
     with the column block's ids (TMA'd into the ring with K, or with Q/dO in the dK/dV kernel),
     and only blocks inside one segment shared by the whole tile stay unmasked. The blocks then
-    depend on the data, so the backward kernels run one CTA per tile and the dQ kernel reads
-    delta from XLA; the forward at H = 64 with at least 32 query heads stays persistent, its
-    tiles dealt in tile order with equal weights (`_PERSISTENT_SEGMENTED_HEAD_DIMS`).
+    depend on the data, so the kernels run one CTA per tile and the dQ kernel reads
+    delta from XLA, but the forward at H = 64 with at least 32 query heads and the dK/dV kernel
+    at H = 64 and 128 with at least 32 kv heads stay persistent, their tiles dealt in tile
+    order with equal weights (`_PERSISTENT_SEGMENTED_HEAD_DIMS`).
 
 Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except under a left
 window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
@@ -123,14 +124,20 @@ _PERSISTENT_HEAD_DIMS = (64, 128)
 # attention_H200_2026-11-26_persistent_segmented.json): H = 64 GQA N32/KV8 with documents of 512
 # 0.144 against 0.204, of 2048 0.358 against 0.420, one document 2.465 against 2.450; B4 T4096
 # N32 with documents of 1024 0.217 against 0.278. At H = 128 it lost (documents of 512 0.350
-# against 0.277, of 2048 0.682 against 0.572), and so did the dK/dV kernel dealt the same way
-# under GQA (H = 64 documents of 2048 0.913 against 0.627 ms), which stays one CTA per tile.
+# against 0.277, of 2048 0.682 against 0.572). The dK/dV kernel (tiles of kv heads) dealt the same
+# way: without GQA faster (H = 64 B4 T4096 documents of 1024 0.350 against 0.392 ms; H = 128
+# documents of 512 0.385 against 0.411, of 2048 1.006 against 1.032 and 1.037 against 1.037 in a
+# second run), under GQA (8 kv heads) slower (H = 64 documents of 2048 0.913 against 0.627; one
+# document 4.569 against 4.135). The second run, of the rule below against no persistent
+# segmented kernel: H = 64 B4 documents of 1024 fwd+bwd 0.945 against 1.045 ms (dK/dV 0.354
+# against 0.393), H = 128 documents of 2048 2.600 against 2.639.
 # Dealt round robin, the tiles alias with the documents when #SMs / N (the stride in query tiles)
 # sits near a multiple of a document's tiles: a scheduling model (benchmarks/
 # segmented_schedule_model.py, not a measurement) predicts losses below about 24 query heads (16
 # heads, documents of 2048: 0.87x), so calls with fewer than `_PERSISTENT_SEGMENTED_MIN_HEADS`
-# (the measured 32) keep one CTA per tile.
+# (the measured 32; kv heads for the dK/dV kernel) keep one CTA per tile.
 _PERSISTENT_SEGMENTED_HEAD_DIMS = (64,)
+_PERSISTENT_SEGMENTED_DKV_HEAD_DIMS = (64, 128)
 _PERSISTENT_SEGMENTED_MIN_HEADS = 32
 # Persistent backward kernels (`Schedule` in tile order, as the forward). CUPTI kernel ms on an H100
 # (benchmarks/tune_attention.py --kernel-times, medians of 3 rounds,
@@ -749,10 +756,14 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     def tile_at(t, reach=None) -> _Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
         return _Tile.of(t, (K, S // CTA, B), band, bq, T, last_first=False, reach=reach)
 
-    # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS);
-    # with segment ids dealing the tiles ahead measured slower too (_PERSISTENT_SEGMENTED_HEAD_DIMS).
-    persistent = H in _PERSISTENT_DKV_HEAD_DIMS and spec.window_left is None and not segmented
-    schedule = Schedule.of(lambda t: G * tile_at(t).steps, (K, S // CTA, B), persistent, interpret)
+    # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS).
+    if segmented:  # tiles dealt in tile order (see _PERSISTENT_SEGMENTED_HEAD_DIMS)
+        persistent = H in _PERSISTENT_SEGMENTED_DKV_HEAD_DIMS and K >= _PERSISTENT_SEGMENTED_MIN_HEADS
+    else:
+        persistent = H in _PERSISTENT_DKV_HEAD_DIMS
+    persistent = persistent and spec.window_left is None
+    schedule = Schedule.of(_schedule_weights(lambda t: G * tile_at(t).steps, segmented), (K, S // CTA, B),
+                           persistent, interpret)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                *refs):
