@@ -119,7 +119,7 @@ _OVERLAP_HEAD_DIMS = (128,)
 _PERSISTENT_HEAD_DIMS = (64, 128)
 # Persistent forward with segment ids (packed sequences) at these head dims. A tile's blocks then
 # depend on the data, which the schedule's table, built ahead, cannot know: the tiles are dealt to
-# the CTAs in tile order with equal weights (`_schedule_weights`). Against one CTA per tile (H200,
+# the CTAs in tile order with equal weights (`_schedule`). Against one CTA per tile (H200,
 # benchmarks/tune_attention.py --documents L, causal T16384, forward kernel ms by CUPTI; results/
 # attention_H200_2026-11-26_persistent_segmented.json): H = 64 GQA N32/KV8 with documents of 512
 # 0.144 against 0.204, of 2048 0.358 against 0.420, one document 2.465 against 2.450; B4 T4096
@@ -184,10 +184,19 @@ _DKV_FA3_ORDER_HEAD_DIMS = (64,)
 # 4.04 / 4.10). Not kept: sustained training runs power-capped, where it lost.
 
 
-def _schedule_weights(steps_of, segmented: bool):
-    """What `Schedule.of` balances the tiles by: their ring uses, or with segment ids (which it
-    cannot know ahead; the kernel counts each tile's real uses itself) equal weights."""
-    return (lambda t: t * 0 + 1) if segmented else steps_of
+def _schedule(steps_of, dims: tuple[int, int, int], H: int, segmented: bool, interpret: bool, *,
+              persistent_dims: tuple[int, ...], segmented_dims: tuple[int, ...] = ()) -> Schedule:
+    """A kernel's `Schedule` over tiles dims = (heads, row tiles, batch). Persistent at the head
+    dims `persistent_dims`, balanced by steps_of (a tile's ring uses); with segment ids a tile's
+    uses depend on the data, which the table built here cannot know (the kernel counts them
+    itself): persistent only at `segmented_dims` with at least `_PERSISTENT_SEGMENTED_MIN_HEADS`
+    heads, the tiles dealt in tile order at equal weights."""
+    if segmented:
+        persistent = H in segmented_dims and dims[0] >= _PERSISTENT_SEGMENTED_MIN_HEADS
+        steps_of = lambda t: t * 0 + 1
+    else:
+        persistent = H in persistent_dims
+    return Schedule.of(steps_of, dims, persistent, interpret)
 
 
 def _within_reach(lo, full_lo, full_hi, hi, col_lo, col_hi, uniform, blk: int):
@@ -499,12 +508,8 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             tl = dataclasses.replace(tl, lo=lo, hi=jnp.maximum(tl.hi, lo + 1))
         return tl
 
-    if segmented:
-        persistent = H in _PERSISTENT_SEGMENTED_HEAD_DIMS and N >= _PERSISTENT_SEGMENTED_MIN_HEADS
-    else:
-        persistent = H in _PERSISTENT_HEAD_DIMS
-    schedule = Schedule.of(_schedule_weights(lambda t: tile_at(t).steps, segmented), (N, q_tiles, B), persistent,
-                           interpret)
+    schedule = _schedule(lambda t: tile_at(t).steps, (N, q_tiles, B), H, segmented, interpret,
+                         persistent_dims=_PERSISTENT_HEAD_DIMS, segmented_dims=_PERSISTENT_SEGMENTED_HEAD_DIMS)
 
     def kernel(q_ref, k_ref, v_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref, out_ref, lse_ref,
                q_smem, o_smem, k_smem, v_smem, lse_smem, stage, row_ids_smem, col_ids_smem,
@@ -757,13 +762,10 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
         return _Tile.of(t, (K, S // CTA, B), band, bq, T, last_first=False, reach=reach)
 
     # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS).
-    if segmented:  # tiles dealt in tile order (see _PERSISTENT_SEGMENTED_HEAD_DIMS)
-        persistent = H in _PERSISTENT_SEGMENTED_DKV_HEAD_DIMS and K >= _PERSISTENT_SEGMENTED_MIN_HEADS
-    else:
-        persistent = H in _PERSISTENT_DKV_HEAD_DIMS
-    persistent = persistent and spec.window_left is None
-    schedule = Schedule.of(_schedule_weights(lambda t: G * tile_at(t).steps, segmented), (K, S // CTA, B),
-                           persistent, interpret)
+    windowed = spec.window_left is not None
+    schedule = _schedule(lambda t: G * tile_at(t).steps, (K, S // CTA, B), H, segmented, interpret,
+                         persistent_dims=() if windowed else _PERSISTENT_DKV_HEAD_DIMS,
+                         segmented_dims=() if windowed else _PERSISTENT_SEGMENTED_DKV_HEAD_DIMS)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                *refs):
@@ -916,8 +918,8 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     interpret = interpret_enabled()
     tile_at = lambda t, reach=None: _Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
     first = 1 if fused_delta else 0  # ring uses before the key blocks
-    persistent = H in _PERSISTENT_DQ_HEAD_DIMS and not segmented
-    schedule = Schedule.of(lambda t: tile_at(t).steps + first, (N, T // CTA, B), persistent, interpret)
+    schedule = _schedule(lambda t: tile_at(t).steps + first, (N, T // CTA, B), H, segmented, interpret,
+                         persistent_dims=_PERSISTENT_DQ_HEAD_DIMS)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, row_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                dq_ref, *rest):
