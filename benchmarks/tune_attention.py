@@ -9,7 +9,7 @@ tracing (kernels read them at trace time), builds fwd and fwd+bwd at the benchma
 (B4 T=S=4096 N32 H128 bf16 causal unless --shape says otherwise) and is timed in interleaved
 rounds with cuDNN (tools/bench.py's method); the output and the gradients are checked against
 cuDNN's (a variant off by more than 2e-2 relative is reported and dropped). With
---logit-soft-cap or --documents (packed sequences), which cuDNN lacks, the first variant takes
+--logit-soft-cap, --documents (packed sequences) or --value-head-dim, which cuDNN lacks, the first variant takes
 cuDNN's place as anchor and check.
 """
 
@@ -63,11 +63,13 @@ def jitted_steps(fn):
     return jax.jit(fn), jax.jit(fwd_bwd)
 
 
-def attention_calls(backends, *, causal: bool, window=None, logit_soft_cap=None, segment_ids=None) -> dict:
+def attention_calls(backends, *, causal: bool, window=None, logit_soft_cap=None, segment_ids=None,
+                    equal_head_dims: bool = True) -> dict:
     """name -> fn(q, k, v): the cuDNN anchor (jax.nn.dot_product_attention; left out with a soft
-    cap or segment ids, which it lacks), then each forgeax backend by name ('default': backend=None)."""
+    cap, segment ids or v's head dim differing from q's, which it lacks), then each forgeax backend
+    by name ('default': backend=None)."""
     calls = {}
-    if logit_soft_cap is None and segment_ids is None:
+    if logit_soft_cap is None and segment_ids is None and equal_head_dims:
         calls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")
     for backend in backends:
@@ -82,12 +84,13 @@ def rel_err(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-def random_inputs(shape: str) -> tuple[jax.Array, ...]:
-    """q, k, v, dout in bf16, standard normal, for shape 'B,T,N,K,H' (S = T)."""
+def random_inputs(shape: str, value_head_dim: int | None = None) -> tuple[jax.Array, ...]:
+    """q, k, v, dout in bf16, standard normal, for shape 'B,T,N,K,H' (S = T; v's head dim Hv)."""
     B, T, N, K, H = (int(d) for d in shape.split(","))
+    Hv = value_head_dim or H
     keys = jax.random.split(jax.random.key(0), 4)
     return tuple(jax.random.normal(key, dims, jnp.bfloat16)
-                 for key, dims in zip(keys, ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H))))
+                 for key, dims in zip(keys, ((B, T, N, H), (B, T, K, H), (B, T, K, Hv), (B, T, N, Hv))))
 
 
 def main() -> None:
@@ -102,6 +105,8 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=None, metavar="L",
                         help="pack documents of L tokens into each row (segment ids; cuDNN has none: "
                              "the first variant is the anchor)")
+    parser.add_argument("--value-head-dim", type=int, default=None, metavar="HV",
+                        help="v's head dim, if not H (MLA; cuDNN has none: the first variant is the anchor)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="-")
@@ -113,7 +118,8 @@ def main() -> None:
     args = parser.parse_args()
     module = importlib.import_module(MODULES[args.backend])
     B, T, N, K, H = (int(d) for d in args.shape.split(","))
-    q, k, v, do = random_inputs(args.shape)
+    Hv = args.value_head_dim or H
+    q, k, v, do = random_inputs(args.shape, Hv)
     causal = bool(args.causal)
     window = None if args.window is None else (args.window, 0)
     # Visible (query, key) pairs: causal T(T+1)/2, less those beyond a window of w keys to the left.
@@ -128,11 +134,12 @@ def main() -> None:
         segment_ids = (ids, ids)
         docs = [min(L, T - s) for s in range(0, T, L)]
         pairs = sum(n * (n + 1) / 2 if causal else n * n for n in docs)
-    flops = 4.0 * B * N * H * pairs
+    flops = 2.0 * B * N * (H + Hv) * pairs
 
     cap = args.logit_soft_cap
     candidates = {name: jitted_steps(fn) for name, fn in
-                  attention_calls([], causal=causal, window=window, logit_soft_cap=cap, segment_ids=segment_ids).items()}
+                  attention_calls([], causal=causal, window=window, logit_soft_cap=cap, segment_ids=segment_ids,
+                                  equal_head_dims=Hv == H).items()}
     defaults = {}
     for variant in args.variant or ["default"]:
         settings = _parse(variant, module)
@@ -176,7 +183,8 @@ def main() -> None:
     if args.out != "-":
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, backend=args.backend, shape=args.shape, causal=causal,
-                           window=window, logit_soft_cap=cap, documents=args.documents, results=results, fwd_bwd_kernel_ms=kernels), f,
+                           window=window, logit_soft_cap=cap, documents=args.documents, value_head_dim=Hv,
+                           results=results, fwd_bwd_kernel_ms=kernels), f,
                           indent=1)
 
 

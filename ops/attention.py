@@ -46,6 +46,8 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
     priority above for its forward and backward (interface._split)."""
     q, k = args[0], args[1]
     spec = kwargs["spec"]
+    if platform == "gpu" and _pallas_gpu_pads_head_dims(args):
+        return ("cudnn", "triton")
     if platform != "gpu" or not spec.has_position_mask:
         return ()
     if (q.shape[2] > k.shape[2] or spec.window_left is not None) and _aligned(args):
@@ -55,8 +57,11 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
 
 def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     """Calls that try pallas_gpu before cuDNN, for the forward and the backward: causal attention
-    without a window at head_dim 64. Its fwd+bwd measured (causal B4 T4096 N32, against cuDNN's):
-    1.09x in tools/bench.py's alternating rounds on an H100 (2.459 against 2.689 ms,
+    without a window at head_dim 64 or 192 (v's equal). At 192, B4 T4096 N16 on an H200, fwd+bwd
+    3.807 against cuDNN's 4.364 ms (1.15x; fwd 0.718 against 0.759) in tools/bench.py's rounds
+    and 3.942 against 4.389 in benchmarks/tune_attention.py's on another H200
+    (results/attention_H200_2026-11-26_head_dim_192.json). At 64 its fwd+bwd measured (causal
+    B4 T4096 N32, against cuDNN's): 1.09x in tools/bench.py's alternating rounds on an H100 (2.459 against 2.689 ms,
     results/attention_H100_2026-11-25_persistent_bwd.json) and 1.06x on an H200 (2.502 against
     2.648, results/attention_H200_2026-11-25_final.json); CUPTI kernels 2.408 against 2.467 ms
     (H100, results/attention_H100_persistent_backward.json); inside a program of 4 layers 1.01x
@@ -66,10 +71,23 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     more power per call and runs at a lower clock under the power cap,
     results/attention_power_fwd_bwd_H100.json)."""
     spec = kwargs["spec"]
-    if (platform == "gpu" and spec.causal and spec.window_left is None and args[0].shape[3] == 64
-            and _aligned(args)):
+    q, v = args[0], args[2]
+    if (platform == "gpu" and spec.causal and spec.window_left is None and q.shape[3] in (64, 192)
+            and v.shape[3] == q.shape[3] and _aligned(args)):
         return ("pallas_gpu",)
     return ()
+
+
+def _pallas_gpu_pads_head_dims(args) -> bool:
+    """A q/k head dim pallas_gpu's kernels lack (they have 64, 128, 192, 256), which it zero-pads
+    to the next (`_Tails` in kernels/pallas/gpu/attention.py; a v head dim that differs, like MLA's
+    128 beside 192, pads only v, which costs much less). There its forward measured slower than
+    Triton's, its forward+backward faster (H200, bf16, causal, packed 8x2048 at head_dim 96, B1
+    T16384 N32, ms against Triton's: fwd 0.910 against 0.860, fwd+bwd 2.970 against 3.132;
+    results/attention_H200_2026-11-26_padded_head_dims.json). So a call that is not differentiated
+    tries cuDNN (which takes 96 without segment ids: 1.010 ms against pallas_gpu's 1.244) and then
+    Triton; under a gradient the training priority stands (cuDNN, then pallas_gpu)."""
+    return args[0].shape[3] not in (64, 128, 192, 256)
 
 
 def _aligned(args) -> bool:

@@ -163,7 +163,7 @@ def test_head_dim_256_multi_block(backend, case):
 
 
 # pallas_gpu's persistent kernels (the forward at head_dim 64 and 128, dK/dV without a left window,
-# dQ at head_dim 256; see _PERSISTENT_HEAD_DIMS, _PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS):
+# dQ at head_dim 192 and 256; see _PERSISTENT_HEAD_DIMS, _PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS):
 # more tiles than the GPU has SMs (16 x 8 kv heads x 2 batches of 128 keys at S = 2048), so CTAs
 # run several tiles each from the balanced table (the interpreter runs them with 2 CTAs on small
 # shapes). The check covers dq, dk, dv.
@@ -176,7 +176,7 @@ PERSISTENT_CASES = {
 
 
 @pytest.mark.skipif(ON_CPU or "pallas_gpu" not in BACKENDS, reason="GPU only: hundreds of tiles")
-@pytest.mark.parametrize("H", [64, 256])
+@pytest.mark.parametrize("H", [64, 192, 256])
 @pytest.mark.parametrize("case", PERSISTENT_CASES)
 def test_pallas_gpu_persistent(case, H):
     T, S, kwargs = PERSISTENT_CASES[case]
@@ -377,7 +377,33 @@ def test_pallas_tpu_full_and_partial_tiles(case):
 @pytest.mark.parametrize("Hv", [32, 128])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_value_head_dim_may_differ(backend, Hv):
+    if ON_CPU and backend == "pallas_gpu" and Hv > 64:
+        pytest.skip("pallas_gpu pads to head_dim 128 here: GPU only (see test_dtypes_and_head_dims)")
     _check(backend, _qkv(1, 64, 80, 4, 2, 64, jnp.bfloat16, seed=Hv, Hv=Hv), dict(causal=True))
+
+
+# Head dims the pallas_gpu kernels lack run zero-padded to the next kernel head dim (`_Tails` in
+# kernels/pallas/gpu/attention.py), in one copy with any row padding: MLA's q/k 192 with v 128 (v
+# padded to 192 on the GPU), Phi-3's 96 (128), and on CPU the same padding into the head_dim-64
+# kernels the interpreter affords, with lengths that also pad rows (T 100: a copy; 136: whole tiles
+# in place).
+PADDED_HEAD_DIMS = ({"H40_v32": (40, 32, 100, dict(causal=True)), "H48": (48, 48, 136, dict(causal=True)),
+                     "H56_v64_segments": (56, 64, 136, dict(causal=True, segments=True))} if ON_CPU else
+                    {"mla_H192_v128": (192, 128, 1000, dict(causal=True)), "H96": (96, 96, 1000, dict(causal=True)),
+                     "H96_segments": (96, 96, 1000, dict(causal=True, segments=True)),
+                     "mla_gqa_window": (192, 128, 1000, dict(causal=True, window=(300, 0)))})
+
+
+@pytest.mark.parametrize("case", PADDED_HEAD_DIMS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padded_head_dims(backend, case):
+    H, Hv, T, kwargs = PADDED_HEAD_DIMS[case]
+    kwargs = dict(kwargs)
+    N, K = (4, 2) if "gqa" in case or ON_CPU else (4, 4)
+    if kwargs.pop("segments", False):
+        ids = _documents(1, T, 40, seed=H)
+        kwargs["segment_ids"] = (ids, ids)
+    _check(backend, _qkv(1, T, T, N, K, H, jnp.bfloat16, seed=H + Hv, Hv=Hv), kwargs)
 
 
 @pytest.mark.parametrize("N,K", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
@@ -699,6 +725,14 @@ DEFAULT_SPLIT_CASES = {
     "causal_head_dim_64": (4, 4, 64, dict(causal=True), ("pallas_gpu", None)),
     "window_head_dim_64": (4, 4, 64, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
     "full_head_dim_64": (4, 4, 64, dict(), ("cudnn", None)),
+    "causal_head_dim_192": (4, 4, 192, dict(causal=True), ("pallas_gpu", None)),
+    # MLA's unequal head dims, which cuDNN cannot compute: pallas_gpu (v padded to 192).
+    "mla": (4, 4, (192, 128), dict(causal=True), ("pallas_gpu", None)),
+    # ops/attention.py's _pallas_gpu_pads_head_dims: Triton's forward, then pallas_gpu's (padded)
+    # under a gradient, where cuDNN cannot (segment ids); cuDNN where it can.
+    "packed_head_dim_96": (4, 4, 96, dict(causal=True, segment_ids=(_documents(2, 256, 64, 5),) * 2),
+                           ("triton", "pallas_gpu")),
+    "head_dim_96": (4, 4, 96, dict(causal=True), ("cudnn", None)),
 }
 
 
@@ -712,6 +746,7 @@ def test_training_order_rule():
         return _training_order(platform, (q, q, q), {"spec": AttentionSpec(**spec)})
 
     assert order(64, causal=True) == ("pallas_gpu",)
+    assert order(192, causal=True) == ("pallas_gpu",)
     assert order(64, T=1000, causal=True) == ("pallas_gpu",)  # in place (`_Tails`)
     assert order(64, T=1001, causal=True) == ()  # copied padded: cuDNN first
     assert order(64, T=120, causal=True) == ()
@@ -727,9 +762,10 @@ def test_inference_order_rule():
     from forgeax.kernels.common.attention import AttentionSpec
     from forgeax.ops.attention import _inference_order
 
-    def order(H, N=4, K=4, T=256, platform="gpu", **spec):
+    def order(H, N=4, K=4, T=256, platform="gpu", Hv=None, **spec):
         q, kv = jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16), jax.ShapeDtypeStruct((1, T, K, H), jnp.bfloat16)
-        return _inference_order(platform, (q, kv, kv), {"spec": AttentionSpec(**spec)})
+        v = jax.ShapeDtypeStruct((1, T, K, Hv or H), jnp.bfloat16)
+        return _inference_order(platform, (q, kv, v), {"spec": AttentionSpec(**spec)})
 
     assert order(128, N=8, K=2, causal=True) == ("pallas_gpu",)
     assert order(128, causal=True, window_left=100, window_right=0) == ("pallas_gpu",)
@@ -740,6 +776,13 @@ def test_inference_order_rule():
     assert order(128, N=8, K=2, platform="tpu", causal=True) == ()
     for T, want in ((1000, ("pallas_gpu",)), (1001, ()), (120, ())):  # in place / copied padded
         assert order(128, T=T, causal=True, window_left=100, window_right=0) == want
+    # Head dims pallas_gpu pads (`_pallas_gpu_pads_head_dims`): cuDNN, then Triton, for any mask.
+    for H, Hv in ((96, None), (96, 128), (160, None), (32, None)):
+        assert order(H, Hv=Hv, causal=True) == ("cudnn", "triton")
+        assert order(H, Hv=Hv, N=8, K=2, causal=True, window_left=100, window_right=0) == ("cudnn", "triton")
+    for H, Hv in ((192, 128), (192, None), (128, 64)):  # kernel head dims; v alone padded
+        assert order(H, Hv=Hv, causal=True) == ()
+    assert order(96, platform="tpu", causal=True) == ()
 
 
 @pytest.mark.skipif(ON_CPU, reason="GPU only: the split involves cudnn and pallas_gpu")
@@ -750,7 +793,8 @@ def test_default_selection_forward_only_and_under_gradient(case):
     if not interface.current_compute_capability().startswith("9."):
         pytest.skip("the split is measured for Hopper (sm_90)")
     N, K, H, kwargs, (forward_only, under_gradient) = DEFAULT_SPLIT_CASES[case]
-    q, k, v = _qkv(2, 256, 256, N, K, H, jnp.bfloat16, seed=31 + N + H)
+    H, Hv = H if isinstance(H, tuple) else (H, H)
+    q, k, v = _qkv(2, 256, 256, N, K, H, jnp.bfloat16, seed=31 + N + H, Hv=Hv)
     decision = ops.explain(lambda q, k, v: ops.attention(q, k, v, **kwargs), q, k, v).decisions[0]
     assert (decision.backend, decision.gradient_backend) == (forward_only, under_gradient)
     out = ops.attention(q, k, v, **kwargs)

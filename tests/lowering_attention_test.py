@@ -52,6 +52,10 @@ SHAPES = {
     # A bias of the full [B, N] extent, and one broadcast over both (pallas_tpu's dbias kernel).
     "bias": (2, 1024, 1024, 4, 2, 128, dict(causal=True, bias=(2, 4))),
     "broadcast bias + segments": (2, 2048, 2048, 8, 4, 128, dict(causal=True, segments=True, bias=(1, 1))),
+    # MLA's unequal head dims (pallas_gpu pads v to 192) and 96, which the kernels lack (pallas_gpu
+    # and pallas_tpu pad it to 128).
+    "MLA H192 v128": (2, 4096, 4096, 16, 16, 192, dict(causal=True, Hv=128)),
+    "H96 packed segments": (2, 4096, 4096, 32, 32, 96, dict(causal=True, segments=True)),
 }
 
 
@@ -66,6 +70,7 @@ def _lower(backend, shape, backward):
     )
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, S, K, options.get("Hv", H)), jnp.bfloat16)
     segments = (jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, S), jnp.int32))
     if not options.get("segments"):
         segments = (None, None)
@@ -73,7 +78,7 @@ def _lower(backend, shape, backward):
     mask = jax.ShapeDtypeStruct((*options["mask"], T, S), jnp.bool_) if "mask" in options else None
     impl = interface.OPS["attention"].implementation(backend)
     assert not isinstance(impl, str), impl
-    reason = impl.supports(q, k, k, bias, mask, *segments, None, spec=spec)
+    reason = impl.supports(q, k, v, bias, mask, *segments, None, spec=spec)
     if reason is not None:
         pytest.skip(f"{backend} refuses {shape}: {reason}")
 
@@ -84,7 +89,7 @@ def _lower(backend, shape, backward):
         out, pull = jax.vjp(lambda q, k, v, bias: forward(q, k, v, bias, mask, *segment_ids), q, k, v, bias)
         return pull(out)
 
-    args = (q, k, k, bias, mask) + (segments if segments[0] is not None else ())
+    args = (q, k, v, bias, mask) + (segments if segments[0] is not None else ())
     fn = training if backward else forward
     if options.get("vmap"):
         fn = jax.vmap(fn)

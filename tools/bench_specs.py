@@ -212,14 +212,24 @@ def _attention_spec() -> Spec:
         # A length that is not a multiple of 8: pallas_gpu copies the arrays padded to 4008 (`_Tails`).
         Shape("soft cap 50 causal B4 T4001 N32", (4, 4001, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("logit_soft_cap", 50.0))),
+        # MLA's q/k 192 with v 128 (DeepSeek-V2/V3 training; cuDNN through jax.nn needs equal head
+        # dims; pallas_gpu pads v to 192), 192 itself, and Phi-3's 96, which pallas_gpu pads to 128
+        # (`_Tails`): plain (cuDNN takes it) and packed (cuDNN cannot; the anchors run it unpacked).
+        Shape("MLA H192 v128 causal B4 T4096 N16", (4, 4096, 16, 16, 192), "bfloat16",
+              options=(("causal", True), ("value_head_dim", 128))),
+        Shape("causal H96 B4 T4096 N32", (4, 4096, 32, 32, 96), "bfloat16", options=(("causal", True),)),
+        Shape("causal H192 B4 T4096 N16", (4, 4096, 16, 16, 192), "bfloat16", options=(("causal", True),)),
+        Shape("packed 8x2048 H96 causal B1 T16384 N32", (1, 16384, 32, 32, 96), "bfloat16",
+              options=(("causal", True), ("documents", 2048))),
         Shape("small causal f32", (1, 256, 4, 2, 64), "float32", small=True, options=(("causal", True),)),
     )
 
     def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
         B, T, N, K, H = shape.dims
+        Hv = dict(shape.options).get("value_head_dim", H)
         kq, kk, kv, kd = jax.random.split(key, 4)
         normal = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(shape.dtype)
-        return normal(kq, (B, T, N, H)), normal(kk, (B, T, K, H)), normal(kv, (B, T, K, H)), normal(kd, (B, T, N, H))
+        return normal(kq, (B, T, N, H)), normal(kk, (B, T, K, H)), normal(kv, (B, T, K, Hv)), normal(kd, (B, T, N, Hv))
 
     def training_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
         if mode == "fwd":
@@ -233,6 +243,7 @@ def _attention_spec() -> Spec:
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         options = dict(options)
+        options.pop("value_head_dim", None)  # in the inputs' shapes
         doc = options.pop("documents", None)
         if doc is None:
             return training_step(functools.partial(ops.attention, backend=backend, **options), mode)
@@ -247,6 +258,8 @@ def _attention_spec() -> Spec:
         def anchor(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
             if options.get("logit_soft_cap") is not None:
                 raise UnsupportedError(f"jax.nn.dot_product_attention({implementation}) has no logit soft cap")
+            if options.get("value_head_dim") is not None:
+                raise UnsupportedError(f"jax.nn.dot_product_attention({implementation}) needs equal q, k, v head dims")
             window = options.get("window")
             fn = functools.partial(
                 jax.nn.dot_product_attention, is_causal=bool(options.get("causal")), implementation=implementation,
@@ -263,6 +276,7 @@ def _attention_spec() -> Spec:
     def floor(shape: Shape, mode: str) -> tuple[float, float]:
         B, T, N, K, H = shape.dims
         options = dict(shape.options)
+        Hv = options.get("value_head_dim", H)
         itemsize = jnp.dtype(shape.dtype).itemsize
         if options.get("documents"):  # causal inside each document
             doc = options["documents"]
@@ -273,9 +287,9 @@ def _attention_spec() -> Spec:
             pairs = T * (T + 1) / 2
         else:
             pairs = T * T
-        fwd_flops = 4.0 * B * N * H * pairs  # QK^T and PV
+        fwd_flops = 2.0 * B * N * (H + Hv) * pairs  # QK^T and PV
         # Bytes: q, k, v, out (fwd); + do, dq, dk, dv and re-reading q, k, v, out (fwd+bwd).
-        tensors = 2 * (B * T * N * H) + 2 * (B * T * K * H)
+        tensors = B * T * N * (H + Hv) + B * T * K * (H + Hv)
         return (tensors if mode == "fwd" else 3 * tensors) * itemsize, fwd_flops * (1 if mode == "fwd" else 3.5)
 
     return Spec("attention", shapes, make_inputs, build, floor,

@@ -2,7 +2,8 @@
 
 Contract: kernels/common/attention.py (q [B,T,N,H], k/v [B,S,K,H], lse [B,N,T] f32, GQA head
 n -> kv head n // G with G = N // K, causal/window aligned so the last query sits at the last key:
-query t is at key position t + off, off = S - T). Scope: bf16/f16, H = Hv in {64, 128, 256},
+query t is at key position t + off, off = S - T). Scope: bf16/f16, kernels at head dim 64, 128,
+192 and 256 (other head dims up to 256, and v's differing from q's, zero-padded to the next: `_Tails`),
 causal / window / logit soft cap / segment ids; everything else is refused by `_supports` (the op
 then falls back to Triton or XLA). Lengths that are not multiples of 128 run as whole tiles over
 the arrays in place (TMA zero-fills past their end), the keys past the end cut by the band or by
@@ -19,12 +20,12 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
   * Schedules (FA3): the two consumers ping-pong on hardware named barriers, one running its
     softmax while the other has the tensor cores. At H = 128 a WG also overlaps block j's
     softmax with its own in-flight P_{j-1} V_{j-1} (intra-warpgroup overlap, 240 registers per
-    consumer); at H = 64 and 256 each block is Q K^T, softmax, P V in turn.
+    consumer); at H = 64, 192 and 256 each block is Q K^T, softmax, P V in turn.
   * WG 2 (producer, 24 registers) streams K and V blocks into a ring of `stages` SMEM slots
     (per-slot "loaded" mbarriers filled by TMA, "free" named barriers released by both consumers).
   * Grid: at H = 64 and 128 persistent (one CTA per SM running the tiles `balance` gives it, in
-    tile order, so the next tile's loads overlap the current tile's end); at H = 256 one CTA per
-    tile (see `_PERSISTENT_HEAD_DIMS`).
+    tile order, so the next tile's loads overlap the current tile's end); at H = 192 and 256 one
+    CTA per tile (see `_PERSISTENT_HEAD_DIMS`).
   * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
     blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
     masked edge), so causal costs ~half of non-causal.
@@ -40,7 +41,7 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
 
 Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except under a left
 window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
-  * dQ kernel (persistent at H = 256, `_PERSISTENT_DQ_HEAD_DIMS`): a tile = 128 query rows of
+  * dQ kernel (persistent at H = 192 and 256, `_PERSISTENT_DQ_HEAD_DIMS`): a tile = 128 query rows of
     one (b, n), consumers own 64 rows, the producer streams the tile's O rows, then K/V blocks
     of `_DQ_BLOCK_KV` keys:
         delta = rowsum(dO * O) - dlse;  p, dp = dO v^T, ds = p (dp - delta), dq += ds k.
@@ -50,8 +51,9 @@ window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
     streamed by the producer WG (Q, dO, lse, delta per ring slot):
         pT = exp2(s^T - lse);  dv += pT dO;  dpT = v dO^T;  dsT = pT (dpT - delta);  dk += dsT q
     dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
-  * H = 256: dk + dv would need 256 accumulator registers per thread, so dk and dv take a
-    launch each of the dK/dV kernel (dk with 32-query blocks, as it also needs V; dv with 64),
+  * H = 192 and 256 (every kernel takes the H > 128 paths: 64-key forward blocks, two dK/dV
+    launches, 32-key dQ blocks): dk + dv would need 192-256 accumulator registers per thread, so
+    dk and dv take a launch each of the dK/dV kernel (dk with 32-query blocks, as it also needs V; dv with 64),
     and the dQ kernel streams 32-key blocks beside its 128 KB of Q and dO (delta from XLA): 8
     matmuls per block instead of 7, in 1.98 ms against 4.82 for Triton's fused backward, which
     ran this head size before (B2 T4096 N16 causal, H200; with a soft cap 2.14 against 5.29).
@@ -90,7 +92,12 @@ from forgeax.ops.interface import Implementation, interpret_enabled
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_HEAD_DIMS = (64, 128, 256)
+# The kernels' head dims; others are zero-padded to the next (`_Tails`). 192 has its own kernels
+# (the paths of 256) for DeepSeek's MLA (q/k 192, v 128, v padded to 192), measured against
+# padding to 256 on an H200 (benchmarks/tune_attention.py, causal B4 T4096 N16, ms, results/
+# attention_H200_2026-11-26_head_dim_192.json): MLA fwd 0.903 against 1.309, fwd+bwd 4.046
+# against 5.287; 192 alone fwd+bwd 3.942 against 5.561 (cuDNN 4.389).
+_HEAD_DIMS = (64, 128, 192, 256)
 _SMEM_BUDGET = 200 * 1024
 # Forward schedule (measured on an H200, causal B4 T4096 N32 H128, benchmarks/tune_attention.py,
 # results/attention_H200_forward_schedules.json): FA3's intra-warpgroup overlap (softmax of block j
@@ -149,9 +156,11 @@ _PERSISTENT_SEGMENTED_MIN_HEADS = 32
 # computes delta (spills 268 against 116 bytes), so dQ stays one CTA per tile there. At H = 256
 # (delta from XLA, see `_dq`) persistent measured faster for all three kernels on an H200 (B2 T4096
 # N16 causal, CUPTI ms against one CTA per tile: dk 0.755 / 0.819, dv 0.423 / 0.461, dq 0.682 /
-# 0.728; fwd+bwd 2.644 against 2.734 ms, results/attention_H200_2026-11-26_h256_persistent.json).
-_PERSISTENT_DKV_HEAD_DIMS = (64, 128, 256)
-_PERSISTENT_DQ_HEAD_DIMS = (256,)
+# 0.728; fwd+bwd 2.644 against 2.734 ms, results/attention_H200_2026-11-26_h256_persistent.json),
+# and so at H = 192 (fwd+bwd 3.942 against 4.082 ms, MLA 4.046 against 4.190, same H200,
+# results/attention_H200_2026-11-26_head_dim_192.json).
+_PERSISTENT_DKV_HEAD_DIMS = (64, 128, 192, 256)
+_PERSISTENT_DQ_HEAD_DIMS = (192, 256)
 # Keys per step of the dQ kernel (wgmma N of q k^T and dO v^T; at least 128, since a tile's O rows
 # go through one K slot). 128 measured 0.3-2.4% faster fwd+bwd than 64 on every issue shape tried on
 # an H200 (results/attention_H200_dq_block_kv.json), and 1.182 against 1.292 ms for a persistent dQ
@@ -160,8 +169,8 @@ _DQ_BLOCK_KV = 128
 
 
 def _dq_block_kv(H: int) -> int:
-    """The dQ kernel's key block: `_DQ_BLOCK_KV`, but 32 at H = 256, where the tile's Q and dO
-    take 128 KB of SMEM (two 32-key stages fit beside them)."""
+    """The dQ kernel's key block: `_DQ_BLOCK_KV`, but 32 at H > 128, where the tile's Q and dO
+    take 96-128 KB of SMEM (two 32-key stages fit beside them)."""
     return _DQ_BLOCK_KV if H <= 128 else 32
 # delta = rowsum(dO * O) - dlse computed in the dQ kernel, except under a left window (else by an
 # XLA reduction before it). CUPTI fwd+bwd kernel ms on an H100, in the dQ kernel against XLA's
@@ -410,7 +419,8 @@ _TMA_TILE_ROWS = 8
 
 @dataclasses.dataclass(frozen=True)
 class _Tails:
-    """A call's real lengths T, S, and the whole tiles (multiples of 128) the kernels run over.
+    """A call's real lengths T, S and head dims H, Hv; the whole tiles (multiples of 128) the
+    kernels run over, and the one head dim they compute with (`_kernel_head_dim`).
 
     Lengths that are not multiples of 128 are not copied into padded arrays: the kernels read q, k,
     v, dO, O in place and write out, dq, dk, dv in place, and TMA fills the rows of a box past the
@@ -419,6 +429,12 @@ class _Tails:
     their length is not a multiple of 8 (the rows of a swizzled TMA tile: Mosaic GPU refuses
     such an array when lowering), to the next multiple of 8; the small per-row arrays (lse,
     delta, segment ids) are padded to whole tiles.
+
+    Head dims the kernels lack (96, 192, or v's differing from q's, MLA-style) are zero-padded
+    to the kernels' head dim, in the same copy as any row padding: zero columns of q and k add
+    nothing to q k^T (the scale is the caller's, from the real H), zero columns of v give zero
+    columns of out that are sliced off, and the gradients' padded columns are dropped. It costs
+    the padded FLOPs (H 96 runs as 128, MLA's 192/128 as 192/192).
 
     Real positions keep their indices, so the causal / window band is that of the real call
     (`_Band.forward` takes S - T from the real lengths). No real query sees a key past S: the
@@ -429,10 +445,12 @@ class _Tails:
 
     T: int
     S: int
+    H: int
+    Hv: int
 
     @classmethod
-    def of(cls, q, k) -> "_Tails":
-        return cls(q.shape[1], k.shape[1])
+    def of(cls, q, k, v) -> "_Tails":
+        return cls(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
 
     @property
     def T_padded(self) -> int:
@@ -442,42 +460,58 @@ class _Tails:
     def S_padded(self) -> int:
         return -(-self.S // CTA) * CTA
 
+    @property
+    def head_dim(self) -> int:
+        return _kernel_head_dim(self.H, self.Hv)
+
     @staticmethod
-    def _pad(x, n: int, axis: int, **how):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, n)
-        return x if n <= 0 else jnp.pad(x, widths, **how)
+    def _pad(x, widths: dict[int, int], **how):
+        """x with widths[axis] entries appended along each axis (nothing copied if none)."""
+        if not any(n > 0 for n in widths.values()):
+            return x
+        return jnp.pad(x, [(0, max(widths.get(a, 0), 0)) for a in range(x.ndim)], **how)
 
     @staticmethod
     def _tma_length(n: int) -> int:
         return max(CTA, -(-n // _TMA_TILE_ROWS) * _TMA_TILE_ROWS)
 
     def tma_rows(self, x):
-        """x [B, T, ...] as the kernels read it (see above)."""
-        return self._pad(x, self._tma_length(self.T) - self.T, 1)
+        """x [B, T, N, H|Hv] as the kernels read it (see above)."""
+        return self._pad(x, {1: self._tma_length(self.T) - self.T, 3: self.head_dim - x.shape[3]})
 
     def tma_cols(self, x):
-        """x [B, S, ...] as the kernels read it (see above)."""
-        return self._pad(x, self._tma_length(self.S) - self.S, 1)
+        """x [B, S, K, H|Hv] as the kernels read it (see above)."""
+        return self._pad(x, {1: self._tma_length(self.S) - self.S, 3: self.head_dim - x.shape[3]})
+
+    @staticmethod
+    def real(x, length: int, head_dim: int):
+        """The real part [:, :length, :, :head_dim] of a kernel result."""
+        return x[:, :length, :, :head_dim]
 
     def row_stats(self, x, value=0.0):
         """x [B, N, T] (f32 per-row statistics), padded to whole tiles with `value`."""
-        return self._pad(x, self.T_padded - self.T, 2, constant_values=value)
+        return self._pad(x, {2: self.T_padded - self.T}, constant_values=value)
 
     def ids(self, q_segment_ids, kv_segment_ids):
         """Segment ids padded to whole tiles (int32), or (None, None)."""
         if q_segment_ids is None:
             return None, None
-        edge = lambda ids, n: self._pad(ids.astype(jnp.int32), n, 1, mode="edge")
+        edge = lambda ids, n: self._pad(ids.astype(jnp.int32), {1: n}, mode="edge")
         return edge(q_segment_ids, self.T_padded - self.T), edge(kv_segment_ids, self.S_padded - self.S)
+
+
+def _kernel_head_dim(H: int, Hv: int) -> int | None:
+    """The kernels' head dim for q/k head dim H and v head dim Hv: the smallest of `_HEAD_DIMS`
+    that holds both (None past 256)."""
+    return next((d for d in _HEAD_DIMS if d >= max(H, Hv)), None)
 
 
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
     del bias, mask, dropout_seed  # refused by _supports
-    tails = _Tails.of(q, k)
+    tails = _Tails.of(q, k, v)
     out, lse = _flash_forward(tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v),
                               *tails.ids(q_segment_ids, kv_segment_ids), spec, tails)
-    return out[:, :tails.T], lse[:, :, :tails.T]
+    return tails.real(out, tails.T, tails.Hv), lse[:, :, :tails.T]
 
 
 def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
@@ -725,7 +759,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     """The `parts` of (dk, dv) [B, S, K, H]: one CTA per 128 keys of one (b, kv head), the
     accumulators in registers, query blocks of `bq` rows streamed.
 
-    At H = 256 dk and dv would take 256 registers per thread together, so `_backward` launches
+    At H > 128 dk and dv would take 192-256 registers per thread together, so `_backward` launches
     this kernel once per part: dk (which needs V too, for dpT) with 32-query blocks, dv (K only)
     with 64, each in 128 registers and about 192 KB of SMEM.
 
@@ -1045,9 +1079,8 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
     del bias, mask, dropout_seed  # refused by _supports
-    H = q.shape[3]
-    tails = _Tails.of(q, k)
-    dt = q.dtype
+    tails = _Tails.of(q, k, v)
+    H, dt = tails.head_dim, q.dtype
     dlse = jnp.broadcast_to(dlse, lse.shape).astype(F32)
     # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0; so do the
     # rows past T (`_Tails`), whose dO is 0.
@@ -1069,8 +1102,7 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     else:  # one accumulator per launch (`_dkv`)
         (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",), bq=32)
         (dv,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dv",), bq=64)
-    T, S = tails.T, tails.S
-    return dq[:, :T], dk[:, :S], dv[:, :S], None
+    return tails.real(dq, tails.T, tails.H), tails.real(dk, tails.S, tails.H), tails.real(dv, tails.S, tails.Hv), None
 
 
 # ----------------------------------------------------------------------------- wiring
@@ -1086,8 +1118,8 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         return "bias/mask not supported"
     if spec.dropout_rate > 0:
         return "dropout not supported"
-    if H not in _HEAD_DIMS or Hv != H:
-        return f"head_dim {H} (v {Hv}) not supported: needs H == Hv in {_HEAD_DIMS}"
+    if _kernel_head_dim(H, Hv) is None:
+        return f"head_dim {H} (v {Hv}) not supported: needs both at most {_HEAD_DIMS[-1]}"
     if T == 0 or S == 0:
         return f"T={T}, S={S}: empty"
     return gpu_refusal(wgmma=True)

@@ -54,8 +54,9 @@ columns) run a body without those masks (`_tile`, `_on_live_tiles`). Dropout rec
 contract's hash (`dropout_keep`, uint32) inside the kernel from the global (b, n, t, s); the
 seed travels in SMEM.
 
-Refused (`supports` says why): head dims outside 64..256 or not a multiple of 64, dtypes
-other than f32/bf16/f16, empty T or S.
+Head dims that are not multiples of 64 run zero-padded to the next (`_heads_major`: H 96 as 128,
+MLA's 192 stays, v 128 stays). Refused (`supports` says why): head dims past 256, dtypes other
+than f32/bf16/f16, empty T or S.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def _bias_dtype(bias):
 def _layout(q, k, v, bias, mask, qseg, *, backward: bool) -> _Layout:
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
+    H, Hv = _round_up(H, 64), _round_up(Hv, 64)  # the kernels' head dims (`_heads_major` pads)
     dtype = jnp.dtype(_F32 if q.dtype == jnp.float16 else q.dtype)
     bq, bk = _INTERPRET_BLOCKS if interpret_enabled() else (_BWD_BLOCKS if backward else _FWD_BLOCKS)
     # Rows: 8 sublanes of 32 bits -> 16 rows of bf16, 32 of int8 (the mask tile).
@@ -640,9 +642,16 @@ def _pad_axis(a, axis, size, value=0):
     return jnp.pad(a, pad, constant_values=value)
 
 
-def _heads_major(a, length, dtype):
-    """[B, T, N, H] -> [B, N, length, H] in `dtype` (one fused transpose + pad)."""
-    return _pad_axis(jnp.swapaxes(a, 1, 2).astype(dtype), 2, length)
+def _heads_major(a, length, dtype, width):
+    """[B, T, N, H] -> [B, N, length, width] in `dtype` (one fused transpose + pad). Head dims
+    that are not multiples of 64 get zero columns: they add nothing to q k^T (the scale is the
+    caller's, from the real head dim), and v's give output columns that are sliced off."""
+    return _pad_axis(_pad_axis(jnp.swapaxes(a, 1, 2).astype(dtype), 2, length), 3, width)
+
+
+def _token_major(a, length, width):
+    """[B, N, padded length, padded width] -> [B, length, N, width]: a result's real part."""
+    return jnp.swapaxes(a[:, :, :length, :width], 1, 2)
 
 
 def _rows(a, L: _Layout, value=0.0):
@@ -678,14 +687,15 @@ def _optional_inputs(L: _Layout, spec: AttentionSpec, bias, mask, qseg, kvseg, s
 
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec: AttentionSpec):
     L = _layout(q, k, v, bias, mask, q_segment_ids, backward=False)
-    args = [_heads_major(q, L.Tp, L.dtype), _heads_major(k, L.Sp, L.dtype), _heads_major(v, L.Sp, L.dtype)]
+    args = [_heads_major(q, L.Tp, L.dtype, L.H), _heads_major(k, L.Sp, L.dtype, L.H),
+            _heads_major(v, L.Sp, L.dtype, L.Hv)]
     args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
     if L.segments:
         args.insert(0, _segment_reach(q_segment_ids, kv_segment_ids, L.bq, L.bk))
     out_dtype = jnp.dtype(L.dtype if q.dtype == jnp.float16 else q.dtype)
     call = _fwd_call(L, spec, out_dtype, interpret_enabled(), _nbytes(*args) + L.B * L.N * L.T * L.Hv * out_dtype.itemsize)
     out, lse = call(*args)
-    out = jnp.swapaxes(out[:, :, :L.T], 1, 2).astype(q.dtype)
+    out = _token_major(out, L.T, v.shape[3]).astype(q.dtype)
     return out, lse[:, :, :L.T, 0]
 
 
@@ -694,8 +704,8 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     delta = jnp.einsum("btnh,btnh->bnt", dout.astype(_F32), out.astype(_F32)) - dlse.astype(_F32)
     lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # empty rows: p = exp(z - inf) = 0
     args = [
-        _heads_major(q, L.Tp, L.dtype), _heads_major(k, L.Sp, L.dtype), _heads_major(v, L.Sp, L.dtype),
-        _heads_major(dout, L.Tp, L.dtype), _rows(lse_safe, L, jnp.inf), _rows(delta, L),
+        _heads_major(q, L.Tp, L.dtype, L.H), _heads_major(k, L.Sp, L.dtype, L.H),
+        _heads_major(v, L.Sp, L.dtype, L.Hv), _heads_major(dout, L.Tp, L.dtype, L.Hv), _rows(lse_safe, L, jnp.inf), _rows(delta, L),
     ]
     args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
     interpret = interpret_enabled()
@@ -706,12 +716,13 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         dq_args = [_segment_reach(q_segment_ids, kv_segment_ids, L.bq, L.bk), *args]
     dk, dv, *dz = _dkv_call(L, spec, interpret, nbytes)(*dkv_args)
     dq = _dq_call(L, spec, interpret, nbytes)(*dq_args)
-    unpad = lambda a, n: jnp.swapaxes(a[:, :, :n], 1, 2)  # noqa: E731
     dbias = None
     if bias is not None:
         dz = dz[0] if L.dz_from_dkv else _dbias_call(L, spec, interpret, nbytes)(*dq_args)
         dbias = dz[:, :, :L.T, :L.S].astype(bias.dtype)
-    return unpad(dq, L.T).astype(q.dtype), unpad(dk, L.S).astype(k.dtype), unpad(dv, L.S).astype(v.dtype), dbias
+    H, Hv = q.shape[3], v.shape[3]
+    return (_token_major(dq, L.T, H).astype(q.dtype), _token_major(dk, L.S, H).astype(k.dtype),
+            _token_major(dv, L.S, Hv).astype(v.dtype), dbias)
 
 
 def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):
@@ -719,8 +730,8 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     if jnp.dtype(q.dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(q.dtype).name} is not one of float32/bfloat16/float16"
     for name, h in (("head_dim", q.shape[3]), ("value head_dim", v.shape[3])):
-        if not (64 <= h <= 256 and h % 64 == 0):
-            return f"{name} {h} not supported: needs a multiple of 64 in [64, 256]"
+        if h > 256:
+            return f"{name} {h} not supported: needs at most 256"
     if q.shape[1] == 0 or k.shape[1] == 0:
         return "empty query or key sequence"
     return None
