@@ -57,7 +57,10 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
 
 def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     """Calls that try pallas_gpu before cuDNN, for the forward and the backward: causal attention
-    without a window at head_dim 64 or 192 (v's equal). At 192, B4 T4096 N16 on an H200, fwd+bwd
+    without a window at head_dim 64, 96 or 192 (v's equal). At 96, B4 T4096 N32 on an H200,
+    fwd 0.816 against cuDNN's 0.996 ms and fwd+bwd 3.271 against 3.975 (1.22x) in tools/bench.py's
+    rounds, fwd 0.840 against 1.055 and fwd+bwd 3.411 against 4.021 in tune_attention.py's
+    (results/attention_H200_2026-11-26_head_dim_96.json). At 192, B4 T4096 N16 on an H200, fwd+bwd
     3.807 against cuDNN's 4.364 ms (1.15x; fwd 0.718 against 0.759) in tools/bench.py's rounds
     and 3.942 against 4.389 in benchmarks/tune_attention.py's on another H200
     (results/attention_H200_2026-11-26_head_dim_192.json). At 64 its fwd+bwd measured (causal
@@ -72,22 +75,22 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     results/attention_power_fwd_bwd_H100.json)."""
     spec = kwargs["spec"]
     q, v = args[0], args[2]
-    if (platform == "gpu" and spec.causal and spec.window_left is None and q.shape[3] in (64, 192)
+    if (platform == "gpu" and spec.causal and spec.window_left is None and q.shape[3] in (64, 96, 192)
             and v.shape[3] == q.shape[3] and _aligned(args)):
         return ("pallas_gpu",)
     return ()
 
 
 def _pallas_gpu_pads_head_dims(args) -> bool:
-    """A q/k head dim pallas_gpu's kernels lack (they have 64, 128, 192, 256), which it zero-pads
-    to the next (`_Tails` in kernels/pallas/gpu/attention.py; a v head dim that differs, like MLA's
-    128 beside 192, pads only v, which costs much less). There its forward measured slower than
-    Triton's, its forward+backward faster (H200, bf16, causal, packed 8x2048 at head_dim 96, B1
-    T16384 N32, ms against Triton's: fwd 0.910 against 0.860, fwd+bwd 2.970 against 3.132;
-    results/attention_H200_2026-11-26_padded_head_dims.json). So a call that is not differentiated
-    tries cuDNN (which takes 96 without segment ids: 1.010 ms against pallas_gpu's 1.244) and then
-    Triton; under a gradient the training priority stands (cuDNN, then pallas_gpu)."""
-    return args[0].shape[3] not in (64, 128, 192, 256)
+    """A q/k head dim pallas_gpu's kernels lack (they have 64, 96, 128, 192, 256), which it
+    zero-pads to the next (`_Tails` in kernels/pallas/gpu/attention.py; a v head dim that differs,
+    like MLA's 128 beside 192, pads only v, which costs much less). Padded, its forward measured
+    slower than Triton's and its forward+backward faster (H200, bf16, causal, 96 padded to 128
+    before the 96 kernels, packed 8x2048, B1 T16384 N32, ms against Triton's: fwd 0.910 against
+    0.860, fwd+bwd 2.970 against 3.132; results/attention_H200_2026-11-26_padded_head_dims.json).
+    So a call that is not differentiated tries cuDNN and then Triton; under a gradient the
+    training priority stands (cuDNN, then pallas_gpu)."""
+    return args[0].shape[3] not in (64, 96, 128, 192, 256)
 
 
 def _aligned(args) -> bool:

@@ -86,10 +86,10 @@ def test_shapes_match_reference(backend, T, S, causal):
 def test_dtypes_and_head_dims(backend, H, dtype):
     if ON_CPU and H > 128 and dtype != "bf16":
         pytest.skip(f"head_dim {H} in bf16 only on CPU (interpreter time)")
-    if ON_CPU and backend == "pallas_gpu" and H > 64:
+    if ON_CPU and backend == "pallas_gpu" and H >= 128:
         # Mosaic GPU's CPU interpreter deadlocks on this kernel when its K/V ring has 2 stages
         # (H >= 128 at the SMEM budget); the same cases pass on the H200 (GPU run of this file).
-        pytest.skip("pallas_gpu head_dim > 64: GPU only (the Mosaic GPU interpreter hangs on a 2-stage ring)")
+        pytest.skip("pallas_gpu head_dim >= 128: GPU only (the Mosaic GPU interpreter hangs on a 2-stage ring)")
     args = _qkv(1, 128, 128, 2, 1, H, DTYPES[dtype], seed=H)
     _check(backend, args, dict(causal=True))
 
@@ -176,7 +176,7 @@ PERSISTENT_CASES = {
 
 
 @pytest.mark.skipif(ON_CPU or "pallas_gpu" not in BACKENDS, reason="GPU only: hundreds of tiles")
-@pytest.mark.parametrize("H", [64, 192, 256])
+@pytest.mark.parametrize("H", [64, 96, 192, 256])
 @pytest.mark.parametrize("case", PERSISTENT_CASES)
 def test_pallas_gpu_persistent(case, H):
     T, S, kwargs = PERSISTENT_CASES[case]
@@ -384,13 +384,17 @@ def test_value_head_dim_may_differ(backend, Hv):
 
 # Head dims the pallas_gpu kernels lack run zero-padded to the next kernel head dim (`_Tails` in
 # kernels/pallas/gpu/attention.py), in one copy with any row padding: MLA's q/k 192 with v 128 (v
-# padded to 192 on the GPU), Phi-3's 96 (128), and on CPU the same padding into the head_dim-64
+# padded to 192), 80 (96), 160 (192); and on CPU the same padding into the head_dim-64 and -96
 # kernels the interpreter affords, with lengths that also pad rows (T 100: a copy; 136: whole tiles
-# in place).
+# in place). 96 has kernels of its own: checked padding-free here too.
 PADDED_HEAD_DIMS = ({"H40_v32": (40, 32, 100, dict(causal=True)), "H48": (48, 48, 136, dict(causal=True)),
-                     "H56_v64_segments": (56, 64, 136, dict(causal=True, segments=True))} if ON_CPU else
+                     "H56_v64_segments": (56, 64, 136, dict(causal=True, segments=True)),
+                     "H80_v72": (80, 72, 136, dict(causal=True)), "H96_segments": (96, 96, 136, dict(causal=True, segments=True))}
+                    if ON_CPU else
                     {"mla_H192_v128": (192, 128, 1000, dict(causal=True)), "H96": (96, 96, 1000, dict(causal=True)),
                      "H96_segments": (96, 96, 1000, dict(causal=True, segments=True)),
+                     "H80_segments": (80, 80, 1000, dict(causal=True, segments=True)),
+                     "H160": (160, 160, 1000, dict(causal=True)),
                      "mla_gqa_window": (192, 128, 1000, dict(causal=True, window=(300, 0)))})
 
 
@@ -730,9 +734,12 @@ DEFAULT_SPLIT_CASES = {
     "mla": (4, 4, (192, 128), dict(causal=True), ("pallas_gpu", None)),
     # ops/attention.py's _pallas_gpu_pads_head_dims: Triton's forward, then pallas_gpu's (padded)
     # under a gradient, where cuDNN cannot (segment ids); cuDNN where it can.
-    "packed_head_dim_96": (4, 4, 96, dict(causal=True, segment_ids=(_documents(2, 256, 64, 5),) * 2),
+    "packed_head_dim_80": (4, 4, 80, dict(causal=True, segment_ids=(_documents(2, 256, 64, 5),) * 2),
                            ("triton", "pallas_gpu")),
-    "head_dim_96": (4, 4, 96, dict(causal=True), ("cudnn", None)),
+    "head_dim_80": (4, 4, 80, dict(causal=True), ("cudnn", None)),
+    "head_dim_96": (4, 4, 96, dict(causal=True), ("pallas_gpu", None)),
+    "packed_head_dim_96": (4, 4, 96, dict(causal=True, segment_ids=(_documents(2, 256, 64, 5),) * 2),
+                           ("pallas_gpu", None)),
 }
 
 
@@ -746,7 +753,8 @@ def test_training_order_rule():
         return _training_order(platform, (q, q, q), {"spec": AttentionSpec(**spec)})
 
     assert order(64, causal=True) == ("pallas_gpu",)
-    assert order(192, causal=True) == ("pallas_gpu",)
+    assert order(192, causal=True) == order(96, causal=True) == ("pallas_gpu",)
+    assert order(96) == ()
     assert order(64, T=1000, causal=True) == ("pallas_gpu",)  # in place (`_Tails`)
     assert order(64, T=1001, causal=True) == ()  # copied padded: cuDNN first
     assert order(64, T=120, causal=True) == ()
@@ -777,10 +785,10 @@ def test_inference_order_rule():
     for T, want in ((1000, ("pallas_gpu",)), (1001, ()), (120, ())):  # in place / copied padded
         assert order(128, T=T, causal=True, window_left=100, window_right=0) == want
     # Head dims pallas_gpu pads (`_pallas_gpu_pads_head_dims`): cuDNN, then Triton, for any mask.
-    for H, Hv in ((96, None), (96, 128), (160, None), (32, None)):
+    for H, Hv in ((80, None), (80, 128), (160, None), (32, None)):
         assert order(H, Hv=Hv, causal=True) == ("cudnn", "triton")
         assert order(H, Hv=Hv, N=8, K=2, causal=True, window_left=100, window_right=0) == ("cudnn", "triton")
-    for H, Hv in ((192, 128), (192, None), (128, 64)):  # kernel head dims; v alone padded
+    for H, Hv in ((192, 128), (192, None), (128, 64), (96, None)):  # kernel head dims; v alone padded
         assert order(H, Hv=Hv, causal=True) == ()
     assert order(96, platform="tpu", causal=True) == ()
 

@@ -2,8 +2,9 @@
 
 Contract: kernels/common/attention.py (q [B,T,N,H], k/v [B,S,K,H], lse [B,N,T] f32, GQA head
 n -> kv head n // G with G = N // K, causal/window aligned so the last query sits at the last key:
-query t is at key position t + off, off = S - T). Scope: bf16/f16, kernels at head dim 64, 128,
-192 and 256 (other head dims up to 256, and v's differing from q's, zero-padded to the next: `_Tails`),
+query t is at key position t + off, off = S - T). Scope: bf16/f16, kernels at head dim 64, 96,
+128, 192 and 256 (other head dims up to 256, and v's differing from q's, zero-padded to the next:
+`_Tails`),
 causal / window / logit soft cap / segment ids; everything else is refused by `_supports` (the op
 then falls back to Triton or XLA). Lengths that are not multiples of 128 run as whole tiles over
 the arrays in place (TMA zero-fills past their end), the keys past the end cut by the band or by
@@ -96,14 +97,19 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # (the paths of 256) for DeepSeek's MLA (q/k 192, v 128, v padded to 192), measured against
 # padding to 256 on an H200 (benchmarks/tune_attention.py, causal B4 T4096 N16, ms, results/
 # attention_H200_2026-11-26_head_dim_192.json): MLA fwd 0.903 against 1.309, fwd+bwd 4.046
-# against 5.287; 192 alone fwd+bwd 3.942 against 5.561 (cuDNN 4.389).
-_HEAD_DIMS = (64, 128, 192, 256)
+# against 5.287; 192 alone fwd+bwd 3.942 against 5.561 (cuDNN 4.389). 96 (Phi-3) runs the paths
+# of 64 and 128 with a 64-byte swizzle (`_block_transforms`): causal B4 T4096 N32 fwd 0.840
+# against 1.303 padded to 128, fwd+bwd 3.411 against 4.795 (cuDNN 1.055 / 4.021; H200,
+# results/attention_H200_2026-11-26_head_dim_96.json).
+_HEAD_DIMS = (64, 96, 128, 192, 256)
 _SMEM_BUDGET = 200 * 1024
 # Forward schedule (measured on an H200, causal B4 T4096 N32 H128, benchmarks/tune_attention.py,
-# results/attention_H200_forward_schedules.json): FA3's intra-warpgroup overlap (softmax of block j
+# results/attention_H200_forward_schedules.json; H = 96 in results/attention_H200_2026-11-26_head_dim_96.json):
+# FA3's intra-warpgroup overlap (softmax of block j
 # while P_{j-1} V_{j-1} is in flight) gains only with 240 registers per consumer (at 232 ptxas spills
 # and it measured no faster): 0.987 against 1.038 ms, and 1.012 against 1.053 ms in another run, for
-# the sequential ping-pong. At H = 64 it measured slower (0.757 against 0.708 ms); H = 256 lacks the
+# the sequential ping-pong. At H = 64 it measured slower (0.757 against 0.708 ms), at H = 96 too
+# (0.899 against 0.840); H = 256 lacks the
 # registers. Both schedules keep 2 consumer WGs of 64 rows and K/V blocks of 128, one query tile
 # per CTA: two tiles per CTA (a long causal tile and its short partner sharing one K/V ring)
 # measured 1.66 against 0.95 ms and was dropped.
@@ -121,9 +127,11 @@ _OVERLAP_HEAD_DIMS = (128,)
 # H100) with 40 bytes spilled, so it stays one CTA per tile. Persistent dK/dV and dQ kernels
 # measured slower (fwd+bwd 4.72 against 4.60 ms, results/attention_H200_persistent_forward.json,
 # with the longest-first table) and were not kept.
+# At H = 96 persistent measured 0.840 against 0.939 ms (H200, causal B4 T4096 N32,
+# results/attention_H200_2026-11-26_head_dim_96.json).
 # An earlier GPU run of test_pallas_gpu_persistent (then _forward) stalled (at causal T > S, whose
 # first tiles see no key): the ping-pong hazard `PingPong.realign` closes.
-_PERSISTENT_HEAD_DIMS = (64, 128)
+_PERSISTENT_HEAD_DIMS = (64, 96, 128)
 # Persistent forward with segment ids (packed sequences) at these head dims. A tile's blocks then
 # depend on the data, which the schedule's table, built ahead, cannot know: the tiles are dealt to
 # the CTAs in tile order with equal weights (`_schedule`). Against one CTA per tile (H200,
@@ -158,8 +166,9 @@ _PERSISTENT_SEGMENTED_MIN_HEADS = 32
 # N16 causal, CUPTI ms against one CTA per tile: dk 0.755 / 0.819, dv 0.423 / 0.461, dq 0.682 /
 # 0.728; fwd+bwd 2.644 against 2.734 ms, results/attention_H200_2026-11-26_h256_persistent.json),
 # and so at H = 192 (fwd+bwd 3.942 against 4.082 ms, MLA 4.046 against 4.190, same H200,
-# results/attention_H200_2026-11-26_head_dim_192.json).
-_PERSISTENT_DKV_HEAD_DIMS = (64, 128, 192, 256)
+# results/attention_H200_2026-11-26_head_dim_192.json). At H = 96 persistent like 64 and 128
+# (not A/B-timed there).
+_PERSISTENT_DKV_HEAD_DIMS = (64, 96, 128, 192, 256)
 _PERSISTENT_DQ_HEAD_DIMS = (192, 256)
 # Keys per step of the dQ kernel (wgmma N of q k^T and dO v^T; at least 128, since a tile's O rows
 # go through one K slot). 128 measured 0.3-2.4% faster fwd+bwd than 64 on every issue shape tried on
@@ -347,10 +356,12 @@ def _stages(per_stage: int, fixed: int, cap: int = 3) -> int:
     return max(2, min(cap, (_SMEM_BUDGET - fixed) // per_stage))
 
 
-def _block_transforms(dt, blk: int):
-    """SMEM transforms of buffers whose `blk` rows or columns are a wgmma K block: 128-byte
-    swizzle, 64-byte for 32-wide blocks (see `transforms`)."""
-    return transforms(dt, min(128, blk * jnp.dtype(dt).itemsize))
+def _block_transforms(dt, *widths: int):
+    """SMEM transforms of buffers whose rows or columns are wgmma K blocks of these widths (head
+    dims, key or query blocks): the widest swizzle (128, 64 or 32 bytes) that divides every width's
+    bytes (`transforms`), so 32-wide blocks and head_dim 96 get 64 bytes."""
+    nbytes = [w * jnp.dtype(dt).itemsize for w in widths]
+    return transforms(dt, next(s for s in (128, 64, 32) if all(n % s == 0 for n in nbytes)))
 
 
 def _staging_and_segment_buffers(dt, blk: int, stages: int, interpret: bool, segmented: bool) -> list:
@@ -727,7 +738,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 
             schedule.run(table_ref, one_tile)
 
-    tr = transforms(dt)
+    tr = _block_transforms(dt, H)
 
     scratch = [
         plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
@@ -909,7 +920,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
 
             schedule.run(table_ref, one_tile)
 
-    tr = _block_transforms(dt, bq)  # one swizzle for every wgmma operand; 32-query blocks need 64 B
+    tr = _block_transforms(dt, bq, H)  # one swizzle for every wgmma operand
 
     scratch = [
         plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
@@ -1057,7 +1068,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
             schedule.run(table_ref, one_tile)
 
-    tr = _block_transforms(dt, bkv)  # one swizzle for every wgmma operand; 32-key blocks need 64 B
+    tr = _block_transforms(dt, bkv, H)  # one swizzle for every wgmma operand
 
     scratch = [
         plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
