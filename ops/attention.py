@@ -63,7 +63,9 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     (results/attention_H200_2026-11-26_head_dim_96.json). At 192, B4 T4096 N16 on an H200, fwd+bwd
     3.807 against cuDNN's 4.364 ms (1.15x; fwd 0.718 against 0.759) in tools/bench.py's rounds
     and 3.942 against 4.389 in benchmarks/tune_attention.py's on another H200
-    (results/attention_H200_2026-11-26_head_dim_192.json). At 64 its fwd+bwd measured (causal
+    (results/attention_H200_2026-11-26_head_dim_192.json); on a third, fwd+bwd 4.057 against
+    4.346 (1.07x) with the forward at 0.97x (0.790 against 0.763,
+    results/attention_H200_2026-11-26_new_head_dims_persistence.json): even at worst. At 64 its fwd+bwd measured (causal
     B4 T4096 N32, against cuDNN's): 1.09x in tools/bench.py's alternating rounds on an H100 (2.459 against 2.689 ms,
     results/attention_H100_2026-11-25_persistent_bwd.json) and 1.06x on an H200 (2.502 against
     2.648, results/attention_H200_2026-11-25_final.json); CUPTI kernels 2.408 against 2.467 ms

@@ -128,7 +128,8 @@ _OVERLAP_HEAD_DIMS = (128,)
 # measured slower (fwd+bwd 4.72 against 4.60 ms, results/attention_H200_persistent_forward.json,
 # with the longest-first table) and were not kept.
 # At H = 96 persistent measured 0.840 against 0.939 ms (H200, causal B4 T4096 N32,
-# results/attention_H200_2026-11-26_head_dim_96.json).
+# results/attention_H200_2026-11-26_head_dim_96.json); at H = 192 it lost (0.837 against 0.790,
+# results/attention_H200_2026-11-26_new_head_dims_persistence.json).
 # An earlier GPU run of test_pallas_gpu_persistent (then _forward) stalled (at causal T > S, whose
 # first tiles see no key): the ping-pong hazard `PingPong.realign` closes.
 _PERSISTENT_HEAD_DIMS = (64, 96, 128)
@@ -151,6 +152,9 @@ _PERSISTENT_HEAD_DIMS = (64, 96, 128)
 # segmented_schedule_model.py, not a measurement) predicts losses below about 24 query heads (16
 # heads, documents of 2048: 0.87x), so calls with fewer than `_PERSISTENT_SEGMENTED_MIN_HEADS`
 # (the measured 32; kv heads for the dK/dV kernel) keep one CTA per tile.
+# At H = 96 (packed 8x2048, B1 T16384 N32) persistent segmented kernels gained 3-4% at most
+# (forward; dK/dV 1%), within a single run's spread: not taken (results/
+# attention_H200_2026-11-26_new_head_dims_persistence.json).
 _PERSISTENT_SEGMENTED_HEAD_DIMS = (64,)
 _PERSISTENT_SEGMENTED_DKV_HEAD_DIMS = (64, 128)
 _PERSISTENT_SEGMENTED_MIN_HEADS = 32
@@ -166,8 +170,8 @@ _PERSISTENT_SEGMENTED_MIN_HEADS = 32
 # N16 causal, CUPTI ms against one CTA per tile: dk 0.755 / 0.819, dv 0.423 / 0.461, dq 0.682 /
 # 0.728; fwd+bwd 2.644 against 2.734 ms, results/attention_H200_2026-11-26_h256_persistent.json),
 # and so at H = 192 (fwd+bwd 3.942 against 4.082 ms, MLA 4.046 against 4.190, same H200,
-# results/attention_H200_2026-11-26_head_dim_192.json). At H = 96 persistent like 64 and 128
-# (not A/B-timed there).
+# results/attention_H200_2026-11-26_head_dim_192.json). At H = 96 fwd+bwd 3.426 against 3.612
+# (results/attention_H200_2026-11-26_new_head_dims_persistence.json).
 _PERSISTENT_DKV_HEAD_DIMS = (64, 96, 128, 192, 256)
 _PERSISTENT_DQ_HEAD_DIMS = (192, 256)
 # Keys per step of the dQ kernel (wgmma N of q k^T and dO v^T; at least 128, since a tile's O rows
