@@ -93,91 +93,30 @@ from forgeax.ops.interface import Implementation, interpret_enabled
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# The kernels' head dims; others are zero-padded to the next (`_Tails`). 192 has its own kernels
-# (the paths of 256) for DeepSeek's MLA (q/k 192, v 128, v padded to 192), measured against
-# padding to 256 on an H200 (benchmarks/tune_attention.py, causal B4 T4096 N16, ms, results/
-# attention_H200_2026-11-26_head_dim_192.json): MLA fwd 0.903 against 1.309, fwd+bwd 4.046
-# against 5.287; 192 alone fwd+bwd 3.942 against 5.561 (cuDNN 4.389). 96 (Phi-3) runs the paths
-# of 64 and 128 with a 64-byte swizzle (`_block_transforms`): causal B4 T4096 N32 fwd 0.840
-# against 1.303 padded to 128, fwd+bwd 3.411 against 4.795 (cuDNN 1.055 / 4.021; H200,
-# results/attention_H200_2026-11-26_head_dim_96.json).
+# Every setting below was chosen by GPU measurements; the numbers and JSON behind each are in
+# benchmarks/ATTENTION.md ("pallas_gpu's settings"). The kernels' head dims (others are zero-padded
+# to the next, `_Tails`): 192 for MLA (1.31x fwd+bwd over padding to 256), 96 for Phi-3 (64-byte
+# swizzle, 1.41x over padding to 128).
 _HEAD_DIMS = (64, 96, 128, 192, 256)
 _SMEM_BUDGET = 200 * 1024
-# Forward schedule (measured on an H200, causal B4 T4096 N32 H128, benchmarks/tune_attention.py,
-# results/attention_H200_forward_schedules.json; H = 96 in results/attention_H200_2026-11-26_head_dim_96.json):
-# FA3's intra-warpgroup overlap (softmax of block j
-# while P_{j-1} V_{j-1} is in flight) gains only with 240 registers per consumer (at 232 ptxas spills
-# and it measured no faster): 0.987 against 1.038 ms, and 1.012 against 1.053 ms in another run, for
-# the sequential ping-pong. At H = 64 it measured slower (0.757 against 0.708 ms), at H = 96 too
-# (0.899 against 0.840); H = 256 lacks the
-# registers. Both schedules keep 2 consumer WGs of 64 rows and K/V blocks of 128, one query tile
-# per CTA: two tiles per CTA (a long causal tile and its short partner sharing one K/V ring)
-# measured 1.66 against 0.95 ms and was dropped.
+# FA3's intra-warpgroup overlap in the forward: a gain only at H = 128 (with 240 registers per
+# consumer); slower at 64 and 96, no registers at 192/256.
 _OVERLAP_HEAD_DIMS = (128,)
-# Persistent forward (`Schedule`): one CTA per SM runs the tiles `balance` gives it, so the
-# producer streams the next tile's K/V while the consumers finish the current tile, and a consumer
-# loads its next Q during its last P V. A CTA per tile pays its launch, first loads and pipeline
-# ramp once per tile: with the same FLOPs, causal B1 T8192 (2048 tiles) ran 0.945 ms against
-# 1.057 for B4 T4096 (4096 tiles) on an H100. Measured with the tiles handed out in tile order
-# (benchmarks/tune_attention.py, causal, results/attention_persistent_forward_in_order.json):
-# H = 128 on an H200 1.020 against 1.065 ms for one CTA per tile (GQA T8192 0.929 against 0.951),
-# on an H100 1.002 and 1.016 against 1.027 and 1.018 (two runs); H = 64 0.689 against 0.706
-# (H200, against the longest-first table) and 0.692 against 0.787 (H100). ptxas spills 56 bytes in
-# the H = 128 persistent kernel. At H = 256 persistent was within noise (0.481 against 0.487 ms,
-# H100) with 40 bytes spilled, so it stays one CTA per tile. Persistent dK/dV and dQ kernels
-# measured slower (fwd+bwd 4.72 against 4.60 ms, results/attention_H200_persistent_forward.json,
-# with the longest-first table) and were not kept.
-# At H = 96 persistent measured 0.840 against 0.939 ms (H200, causal B4 T4096 N32,
-# results/attention_H200_2026-11-26_head_dim_96.json); at H = 192 it lost (0.837 against 0.790,
-# results/attention_H200_2026-11-26_new_head_dims_persistence.json).
-# An earlier GPU run of test_pallas_gpu_persistent (then _forward) stalled (at causal T > S, whose
-# first tiles see no key): the ping-pong hazard `PingPong.realign` closes.
+# Persistent forward (`Schedule`, tiles in tile order): saves each tile's launch and pipeline ramp
+# at 64, 96, 128; within noise at 256 and slower at 192, which run one CTA per tile.
 _PERSISTENT_HEAD_DIMS = (64, 96, 128)
-# Persistent forward with segment ids (packed sequences) at these head dims. A tile's blocks then
-# depend on the data, which the schedule's table, built ahead, cannot know: the tiles are dealt to
-# the CTAs in tile order with equal weights (`_schedule`). Against one CTA per tile (H200,
-# benchmarks/tune_attention.py --documents L, causal T16384, forward kernel ms by CUPTI; results/
-# attention_H200_2026-11-26_persistent_segmented.json): H = 64 GQA N32/KV8 with documents of 512
-# 0.144 against 0.204, of 2048 0.358 against 0.420, one document 2.465 against 2.450; B4 T4096
-# N32 with documents of 1024 0.217 against 0.278. At H = 128 it lost (documents of 512 0.350
-# against 0.277, of 2048 0.682 against 0.572). The dK/dV kernel (tiles of kv heads) dealt the same
-# way: without GQA faster (H = 64 B4 T4096 documents of 1024 0.350 against 0.392 ms; H = 128
-# documents of 512 0.385 against 0.411, of 2048 1.006 against 1.032 and 1.037 against 1.037 in a
-# second run), under GQA (8 kv heads) slower (H = 64 documents of 2048 0.913 against 0.627; one
-# document 4.569 against 4.135). The second run, of the rule below against no persistent
-# segmented kernel: H = 64 B4 documents of 1024 fwd+bwd 0.945 against 1.045 ms (dK/dV 0.354
-# against 0.393), H = 128 documents of 2048 2.600 against 2.639.
-# Dealt round robin, the tiles alias with the documents when #SMs / N (the stride in query tiles)
-# sits near a multiple of a document's tiles: a scheduling model (benchmarks/
-# segmented_schedule_model.py, not a measurement) predicts losses below about 24 query heads (16
-# heads, documents of 2048: 0.87x), so calls with fewer than `_PERSISTENT_SEGMENTED_MIN_HEADS`
-# (the measured 32; kv heads for the dK/dV kernel) keep one CTA per tile.
-# At H = 96 (packed 8x2048, B1 T16384 N32) persistent segmented kernels gained 3-4% at most
-# (forward; dK/dV 1%), within a single run's spread: not taken (results/
-# attention_H200_2026-11-26_new_head_dims_persistence.json).
+# With segment ids the tiles' work depends on the data: tiles dealt round robin at equal weights
+# (`_schedule`), which gained for the forward at H = 64 and for dK/dV at 64 and 128 without GQA, and
+# only with at least 32 heads (round robin aliases with the documents below ~24, by
+# benchmarks/segmented_schedule_model.py).
 _PERSISTENT_SEGMENTED_HEAD_DIMS = (64,)
 _PERSISTENT_SEGMENTED_DKV_HEAD_DIMS = (64, 128)
 _PERSISTENT_SEGMENTED_MIN_HEADS = 32
-# Persistent backward kernels (`Schedule` in tile order, as the forward). CUPTI kernel ms on an H100
-# (benchmarks/tune_attention.py --kernel-times, medians of 3 rounds,
-# results/attention_H100_persistent_backward.json), persistent against one CTA per tile: dK/dV at
-# causal B4 T4096 N32 H128 1.730-1.739 against 1.758-1.791 (ptxas spills 84 against 16 bytes), at
-# H = 64 0.999 against 1.094, non-causal 3.399 against 3.477, but with window 4096 at T16384 3.374
-# against 3.062 (spills 188 against 208 bytes): persistent except with a left window. dQ 1.182
-# against 1.197 while delta was a separate reduction, but 1.419 against 1.224 once the dQ kernel
-# computes delta (spills 268 against 116 bytes), so dQ stays one CTA per tile there. At H = 256
-# (delta from XLA, see `_dq`) persistent measured faster for all three kernels on an H200 (B2 T4096
-# N16 causal, CUPTI ms against one CTA per tile: dk 0.755 / 0.819, dv 0.423 / 0.461, dq 0.682 /
-# 0.728; fwd+bwd 2.644 against 2.734 ms, results/attention_H200_2026-11-26_h256_persistent.json),
-# and so at H = 192 (fwd+bwd 3.942 against 4.082 ms, MLA 4.046 against 4.190, same H200,
-# results/attention_H200_2026-11-26_head_dim_192.json). At H = 96 fwd+bwd 3.426 against 3.612
-# (results/attention_H200_2026-11-26_new_head_dims_persistence.json).
+# Persistent backward kernels: dK/dV at every head dim except under a left window (`_dkv`); dQ only
+# where delta comes from XLA (H > 128): computing delta in it spilled and lost.
 _PERSISTENT_DKV_HEAD_DIMS = (64, 96, 128, 192, 256)
 _PERSISTENT_DQ_HEAD_DIMS = (192, 256)
-# Keys per step of the dQ kernel (wgmma N of q k^T and dO v^T; at least 128, since a tile's O rows
-# go through one K slot). 128 measured 0.3-2.4% faster fwd+bwd than 64 on every issue shape tried on
-# an H200 (results/attention_H200_dq_block_kv.json), and 1.182 against 1.292 ms for a persistent dQ
-# kernel alone on an H100 (CUPTI), though ptxas spills in both.
+# Keys per dQ step (at least 128: a tile's O rows go through one K slot); 128 beat 64 on every shape.
 _DQ_BLOCK_KV = 128
 
 
@@ -185,25 +124,15 @@ def _dq_block_kv(H: int) -> int:
     """The dQ kernel's key block: `_DQ_BLOCK_KV`, but 32 at H > 128, where the tile's Q and dO
     take 96-128 KB of SMEM (two 32-key stages fit beside them)."""
     return _DQ_BLOCK_KV if H <= 128 else 32
-# delta = rowsum(dO * O) - dlse computed in the dQ kernel, except under a left window (else by an
-# XLA reduction before it). CUPTI fwd+bwd kernel ms on an H100, in the dQ kernel against XLA's
-# (results/attention_H100_delta_in_dq.json): causal B4 T4096 N32 H128 3.880 against 3.976,
-# non-causal 7.415 against 7.519, H64 2.380 against 2.389, but window 4096 at T16384 6.789
-# against 6.683 (its dQ kernel 2.265 against 2.040 ms; ptxas spills 324 against 308 bytes).
+
+
+# delta = rowsum(dO * O) - dlse in the dQ kernel (faster than XLA's reduction except under a left
+# window, where XLA computes it).
 _DELTA_IN_DQ_KERNEL = True
-# dK/dV step order. FA3's: q k^T and dO v^T issued together, then dv += p^T dO and dk += ds^T q
-# together (two waits per step). Otherwise: q k^T; dv's and dO v^T's wgmmas; dk's (three waits,
-# fewer live registers). Measured on an H100 (results/attention_H100_dkv_order.json, fwd+bwd):
-# at H = 64 2.745 against 2.960 ms; at H = 128 no faster (4.426 against 4.427 ms; GQA 4.264 against
-# 4.228), where ptxas spills 76 bytes in it.
+# dK/dV step order: FA3's (both score wgmmas, then both gradient wgmmas) only at H = 64, where it
+# was faster; at 128 no faster and it spills. Overlapping the backward's softmax with its second
+# wgmma was not kept (it lost on a power-capped H200).
 _DKV_FA3_ORDER_HEAD_DIMS = (64,)
-# Overlapping the softmax's exp2s with the step's second fresh wgmma (wait for q k^T only, compute
-# p while dO v^T runs, in the dQ kernel and in FA3's dK/dV order at H = 128) was built and A/B
-# tested on three H200s (results/attention_H200_2026-11-26_backward_overlap.json): fwd+bwd 1-4%
-# faster on two (causal H128 4.24-4.33 against 4.32-4.37 ms, GQA 3.91-3.94 against 4.04-4.09),
-# 3-7% slower on the third, which ran power-capped (up to 692 W, SM clock down to ~1340 MHz;
-# causal H128 4.58 / 4.70 against 4.40 / 4.38 ms for two copies of each, GQA 4.15 / 4.22 against
-# 4.04 / 4.10). Not kept: sustained training runs power-capped, where it lost.
 
 
 def _schedule(steps_of, dims: tuple[int, int, int], H: int, segmented: bool, interpret: bool, *,
@@ -779,17 +708,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     with 64, each in 128 registers and about 192 KB of SMEM.
 
     One-pass variants that also add each CTA's ds k into an f32 dq with TMA reduce-adds (5
-    matmuls instead of 7, FA3-style) were built and measured slower on an H200 (causal B4 T4096
-    N32 H128 fwd+bwd, against these two kernels in the same run): 5.47 ms (5.58 with no
-    cross-warpgroup barrier) against 4.22; and, redone with both warpgroups' ds in SMEM, each
-    warpgroup reducing half of dq's columns and reusing its SMEM once the TMA had read it
-    (not once the global write was done), 4.75-4.80 against 4.46-4.49 ms (ptxas spilled 376-432
-    bytes there; results/attention_H200_one_pass_tma_reduce.json). A third, in FA3's orientation
-    (queries x keys scores, so lse and delta take 2 registers, not 16; p and ds through SMEM as
-    transposed A operands; half of dq's columns per warpgroup from both warpgroups' ds, one sync
-    per step), was correct but took 3.89-3.94 ms against 2.95 for these two kernels (ptxas spilled
-    396-460 bytes of SMEM addresses); without the reduce-adds and the sync (wrong results) still
-    2.97 ms (commit 8589a0f, results/attention_H200_2026-11-26_one_pass_fa3_orientation.json).
+    matmuls instead of 7, FA3-style) were built three times and measured slower on H200s
+    (benchmarks/ATTENTION.md; the last one's code is in commit 8589a0f).
     So dq stays a separate, deterministic kernel.
     """
     B, _, N, H = q.shape
