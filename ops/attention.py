@@ -24,6 +24,9 @@ from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
 # faster at head_dim 128 causal (0.985 vs 1.052 ms). Mosaic GPU next (it beat Triton on every
 # shape), then Triton, which covers every feature.
 _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
+# pallas_gpu's kernel head dims (`_HEAD_DIMS` in kernels/pallas/gpu/attention.py, which //ops cannot
+# import: the kernels depend on it; test_pallas_gpu_head_dims_match keeps the two equal).
+_PALLAS_GPU_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
@@ -65,9 +68,9 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     and 3.942 against 4.389 in benchmarks/tune_attention.py's on another H200
     (results/attention_H200_2026-11-26_head_dim_192.json); on a third, fwd+bwd 4.057 against
     4.346 (1.07x) with the forward at 0.97x (0.790 against 0.763,
-    results/attention_H200_2026-11-26_new_head_dims_persistence.json): even at worst. At 64 its fwd+bwd measured (causal
-    B4 T4096 N32, against cuDNN's): 1.09x in tools/bench.py's alternating rounds on an H100 (2.459 against 2.689 ms,
-    results/attention_H100_2026-11-25_persistent_bwd.json) and 1.06x on an H200 (2.502 against
+    results/attention_H200_2026-11-26_new_head_dims_persistence.json): even at worst. At 64 its
+    fwd+bwd measured (causal B4 T4096 N32, against cuDNN's): 1.09x in tools/bench.py's alternating
+    rounds on an H100 (2.459 against 2.689 ms, results/attention_H100_2026-11-25_persistent_bwd.json) and 1.06x on an H200 (2.502 against
     2.648, results/attention_H200_2026-11-25_final.json); CUPTI kernels 2.408 against 2.467 ms
     (H100, results/attention_H100_persistent_backward.json); inside a program of 4 layers 1.01x
     (H100) and 0.99x (H200, results/attention_in_program_fwd_bwd.json): at least even, and its
@@ -92,7 +95,7 @@ def _pallas_gpu_pads_head_dims(args) -> bool:
     0.860, fwd+bwd 2.970 against 3.132; results/attention_H200_2026-11-26_padded_head_dims.json).
     So a call that is not differentiated tries cuDNN and then Triton; under a gradient the
     training priority stands (cuDNN, then pallas_gpu)."""
-    return args[0].shape[3] not in (64, 96, 128, 192, 256)
+    return args[0].shape[3] not in _PALLAS_GPU_HEAD_DIMS
 
 
 def _aligned(args) -> bool:

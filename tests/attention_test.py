@@ -162,7 +162,7 @@ def test_head_dim_256_multi_block(backend, case):
     _check(backend, args, kwargs)
 
 
-# pallas_gpu's persistent kernels (the forward at head_dim 64 and 128, dK/dV without a left window,
+# pallas_gpu's persistent kernels (the forward at head_dim 64, 96 and 128, dK/dV without a left window,
 # dQ at head_dim 192 and 256; see _PERSISTENT_HEAD_DIMS, _PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS):
 # more tiles than the GPU has SMs (16 x 8 kv heads x 2 batches of 128 keys at S = 2048), so CTAs
 # run several tiles each from the balanced table (the interpreter runs them with 2 CTAs on small
@@ -762,6 +762,15 @@ def test_training_order_rule():
     assert order(128, causal=True) == ()
     assert order(64) == ()
     assert order(64, causal=True, window_left=100, window_right=0) == ()
+
+
+def test_pallas_gpu_head_dims_match():
+    """ops/attention.py's copy of pallas_gpu's kernel head dims (the selection rules read it) is
+    the kernels' own."""
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+    from forgeax.ops.attention import _PALLAS_GPU_HEAD_DIMS
+
+    assert _PALLAS_GPU_HEAD_DIMS == pallas_gpu_attention._HEAD_DIMS
 
 
 def test_inference_order_rule():

@@ -213,8 +213,8 @@ def _attention_spec() -> Spec:
         Shape("soft cap 50 causal B4 T4001 N32", (4, 4001, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("logit_soft_cap", 50.0))),
         # MLA's q/k 192 with v 128 (DeepSeek-V2/V3 training; cuDNN through jax.nn needs equal head
-        # dims; pallas_gpu pads v to 192), 192 itself, and Phi-3's 96, which pallas_gpu pads to 128
-        # (`_Tails`): plain (cuDNN takes it) and packed (cuDNN cannot; the anchors run it unpacked).
+        # dims; pallas_gpu pads v to 192, `_Tails`), 192 itself, and Phi-3's 96: plain (cuDNN takes
+        # it) and packed (cuDNN cannot; the anchors run it unpacked).
         Shape("MLA H192 v128 causal B4 T4096 N16", (4, 4096, 16, 16, 192), "bfloat16",
               options=(("causal", True), ("value_head_dim", 128))),
         Shape("causal H96 B4 T4096 N32", (4, 4096, 32, 32, 96), "bfloat16", options=(("causal", True),)),

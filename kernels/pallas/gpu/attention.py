@@ -427,10 +427,13 @@ class _Tails:
         """x [B, S, K, H|Hv] as the kernels read it (see above)."""
         return self._pad(x, {1: self._tma_length(self.S) - self.S, 3: self.head_dim - x.shape[3]})
 
-    @staticmethod
-    def real(x, length: int, head_dim: int):
-        """The real part [:, :length, :, :head_dim] of a kernel result."""
-        return x[:, :length, :, :head_dim]
+    def real_rows(self, x, head_dim: int):
+        """The real part [:, :T, :, :head_dim] of a kernel result [B, T, N, ...] (out, dq)."""
+        return x[:, :self.T, :, :head_dim]
+
+    def real_cols(self, x, head_dim: int):
+        """The real part [:, :S, :, :head_dim] of a kernel result [B, S, K, ...] (dk, dv)."""
+        return x[:, :self.S, :, :head_dim]
 
     def row_stats(self, x, value=0.0):
         """x [B, N, T] (f32 per-row statistics), padded to whole tiles with `value`."""
@@ -455,7 +458,7 @@ def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, s
     tails = _Tails.of(q, k, v)
     out, lse = _flash_forward(tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v),
                               *tails.ids(q_segment_ids, kv_segment_ids), spec, tails)
-    return tails.real(out, tails.T, tails.Hv), lse[:, :, :tails.T]
+    return tails.real_rows(out, tails.Hv), lse[:, :, :tails.T]
 
 
 def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
@@ -1037,7 +1040,7 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     else:  # one accumulator per launch (`_dkv`)
         (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",), bq=32)
         (dv,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dv",), bq=64)
-    return tails.real(dq, tails.T, tails.H), tails.real(dk, tails.S, tails.H), tails.real(dv, tails.S, tails.Hv), None
+    return tails.real_rows(dq, tails.H), tails.real_cols(dk, tails.H), tails.real_cols(dv, tails.Hv), None
 
 
 # ----------------------------------------------------------------------------- wiring

@@ -705,7 +705,8 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # empty rows: p = exp(z - inf) = 0
     args = [
         _heads_major(q, L.Tp, L.dtype, L.H), _heads_major(k, L.Sp, L.dtype, L.H),
-        _heads_major(v, L.Sp, L.dtype, L.Hv), _heads_major(dout, L.Tp, L.dtype, L.Hv), _rows(lse_safe, L, jnp.inf), _rows(delta, L),
+        _heads_major(v, L.Sp, L.dtype, L.Hv), _heads_major(dout, L.Tp, L.dtype, L.Hv),
+        _rows(lse_safe, L, jnp.inf), _rows(delta, L),
     ]
     args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
     interpret = interpret_enabled()
