@@ -89,7 +89,7 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
 def _pallas_gpu_pads_head_dims(args) -> bool:
     """A q/k head dim pallas_gpu's kernels lack (they have 64, 96, 128, 192, 256), which it
     zero-pads to the next (`_Tails` in kernels/pallas/gpu/attention.py; a v head dim that differs,
-    like MLA's 128 beside 192, pads only v, which costs much less). Padded, its forward measured
+    like MLA's 128 beside 192, runs at its own, `_kernel_head_dims`). Padded, its forward measured
     slower than Triton's and its forward+backward faster (H200, bf16, causal, 96 padded to 128
     before the 96 kernels, packed 8x2048, B1 T16384 N32, ms against Triton's: fwd 0.910 against
     0.860, fwd+bwd 2.970 against 3.132; results/attention_H200_2026-11-26_padded_head_dims.json).

@@ -162,8 +162,9 @@ def test_head_dim_256_multi_block(backend, case):
     _check(backend, args, kwargs)
 
 
-# pallas_gpu's persistent kernels (the forward at head_dim 64, 96 and 128, dK/dV without a left window,
-# dQ at head_dim 192 and 256; see _PERSISTENT_HEAD_DIMS, _PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS):
+# pallas_gpu's persistent kernels (the forward at head_dim 64, 96 and 128, and 192 with v's 128, dK/dV
+# without a left window, dQ at head_dim 192 and 256; see _PERSISTENT_HEAD_DIMS,
+# _PERSISTENT_NARROW_V_HEAD_DIMS, _PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS):
 # more tiles than the GPU has SMs (16 x 8 kv heads x 2 batches of 128 keys at S = 2048), so CTAs
 # run several tiles each from the balanced table (the interpreter runs them with 2 CTAs on small
 # shapes). The check covers dq, dk, dv.
@@ -176,11 +177,12 @@ PERSISTENT_CASES = {
 
 
 @pytest.mark.skipif(ON_CPU or "pallas_gpu" not in BACKENDS, reason="GPU only: hundreds of tiles")
-@pytest.mark.parametrize("H", [64, 96, 192, 256])
+@pytest.mark.parametrize("H,Hv", [(64, 64), (96, 96), (192, 192), (192, 128), (256, 256)],
+                         ids=["64", "96", "192", "mla_192_v128", "256"])
 @pytest.mark.parametrize("case", PERSISTENT_CASES)
-def test_pallas_gpu_persistent(case, H):
+def test_pallas_gpu_persistent(case, H, Hv):
     T, S, kwargs = PERSISTENT_CASES[case]
-    _check("pallas_gpu", _qkv(2, T, S, 16, 8, H, jnp.bfloat16, seed=T + 5 * S + H), kwargs)
+    _check("pallas_gpu", _qkv(2, T, S, 16, 8, H, jnp.bfloat16, seed=T + 5 * S + H + Hv, Hv=Hv), kwargs)
 
 
 @pytest.mark.skipif("pallas_gpu" not in BACKENDS, reason="pallas_gpu's persistent kernels with segment ids")
@@ -383,19 +385,27 @@ def test_value_head_dim_may_differ(backend, Hv):
 
 
 # Head dims the pallas_gpu kernels lack run zero-padded to the next kernel head dim (`_Tails` in
-# kernels/pallas/gpu/attention.py), in one copy with any row padding: MLA's q/k 192 with v 128 (v
-# padded to 192), 80 (96), 160 (192); and on CPU the same padding into the head_dim-64 and -96
-# kernels the interpreter affords, with lengths that also pad rows (T 100: a copy; 136: whole tiles
-# in place). 96 has kernels of its own: checked padding-free here too.
+# kernels/pallas/gpu/attention.py), in one copy with any row padding: 80 (96), 160 (192); and on CPU
+# the same padding into the head_dim-64 and -96 kernels the interpreter affords, with lengths that
+# also pad rows (T 100: a copy; 136: whole tiles in place). 96 has kernels of its own: checked
+# padding-free here too. A v narrower than q/k runs at its own (padded) head dim
+# (`_kernel_head_dims`): MLA's q/k 192 with v 128, and 128 / 64 (the overlapped forward); on CPU
+# 96 / 64, and 96 / 40 (v padded to 64).
 PADDED_HEAD_DIMS = ({"H40_v32": (40, 32, 100, dict(causal=True)), "H48": (48, 48, 136, dict(causal=True)),
                      "H56_v64_segments": (56, 64, 136, dict(causal=True, segments=True)),
-                     "H80_v72": (80, 72, 136, dict(causal=True)), "H96_segments": (96, 96, 136, dict(causal=True, segments=True))}
+                     "H80_v72": (80, 72, 136, dict(causal=True)), "H96_segments": (96, 96, 136, dict(causal=True, segments=True)),
+                     "H96_v64": (96, 64, 136, dict(causal=True)),
+                     "H96_v40_segments": (96, 40, 100, dict(causal=True, segments=True))}
                     if ON_CPU else
                     {"mla_H192_v128": (192, 128, 1000, dict(causal=True)), "H96": (96, 96, 1000, dict(causal=True)),
                      "H96_segments": (96, 96, 1000, dict(causal=True, segments=True)),
                      "H80_segments": (80, 80, 1000, dict(causal=True, segments=True)),
                      "H160": (160, 160, 1000, dict(causal=True)),
-                     "mla_gqa_window": (192, 128, 1000, dict(causal=True, window=(300, 0)))})
+                     "mla_gqa_window": (192, 128, 1000, dict(causal=True, window=(300, 0))),
+                     "mla_segments": (192, 128, 1000, dict(causal=True, segments=True)),
+                     "H128_v64": (128, 64, 1000, dict(causal=True)),
+                     "H128_v96_full": (128, 96, 1000, dict()),
+                     "H192_v64_soft_cap": (192, 64, 1000, dict(causal=True, logit_soft_cap=30.0))})
 
 
 @pytest.mark.parametrize("case", PADDED_HEAD_DIMS)
@@ -771,6 +781,21 @@ def test_pallas_gpu_head_dims_match():
     from forgeax.ops.attention import _PALLAS_GPU_HEAD_DIMS
 
     assert _PALLAS_GPU_HEAD_DIMS == pallas_gpu_attention._HEAD_DIMS
+
+
+def test_pallas_gpu_kernel_head_dims():
+    """The (q/k, v) head dims pallas_gpu computes with: each padded to the next kernel head dim, v
+    narrower than q/k kept narrower (MLA) except beside 256; v wider pads q/k with it."""
+    from forgeax.kernels.pallas.gpu.attention import _kernel_head_dims
+
+    assert _kernel_head_dims(128, 128) == (128, 128)
+    assert _kernel_head_dims(192, 128) == (192, 128)
+    assert _kernel_head_dims(96, 40) == (96, 64)
+    assert _kernel_head_dims(80, 72) == (96, 96)
+    assert _kernel_head_dims(64, 128) == (128, 128)
+    assert _kernel_head_dims(256, 128) == (256, 256)
+    assert _kernel_head_dims(200, 64) == (256, 256)
+    assert _kernel_head_dims(64, 300) is None and _kernel_head_dims(320, 64) is None
 
 
 def test_inference_order_rule():

@@ -52,9 +52,11 @@ SHAPES = {
     # A bias of the full [B, N] extent, and one broadcast over both (pallas_tpu's dbias kernel).
     "bias": (2, 1024, 1024, 4, 2, 128, dict(causal=True, bias=(2, 4))),
     "broadcast bias + segments": (2, 2048, 2048, 8, 4, 128, dict(causal=True, segments=True, bias=(1, 1))),
-    # MLA's unequal head dims (pallas_gpu pads v to 192); 96 (pallas_gpu's 64-byte-swizzled
-    # kernels; pallas_tpu pads it to 128); 80, which pallas_gpu pads to 96.
+    # MLA's unequal head dims (pallas_gpu computes v's at 128), and a v narrower than q/k at 128;
+    # 96 (pallas_gpu's 64-byte-swizzled kernels; pallas_tpu pads it to 128); 80, which pallas_gpu
+    # pads to 96.
     "MLA H192 v128": (2, 4096, 4096, 16, 16, 192, dict(causal=True, Hv=128)),
+    "H128 v64 GQA": (2, 4096, 4096, 16, 4, 128, dict(causal=True, Hv=64)),
     "H96 packed segments": (2, 4096, 4096, 32, 32, 96, dict(causal=True, segments=True)),
     "H80 GQA window": (1, 4096, 4096, 16, 4, 80, dict(causal=True, window=(1024, 0))),
 }

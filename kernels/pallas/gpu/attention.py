@@ -105,6 +105,8 @@ _OVERLAP_HEAD_DIMS = (128,)
 # Persistent forward (`Schedule`, tiles in tile order): saves each tile's launch and pipeline ramp
 # at 64, 96, 128; within noise at 256 and slower at 192, which run one CTA per tile.
 _PERSISTENT_HEAD_DIMS = (64, 96, 128)
+# ... and at these q/k head dims when v's is narrower (MLA's 192 / 128: fewer accumulator registers).
+_PERSISTENT_NARROW_V_HEAD_DIMS = (192,)
 # With segment ids the tiles' work depends on the data: tiles dealt round robin at equal weights
 # (`_schedule`), which gained for the forward at H = 64 and for dK/dV at 64 and 128 without GQA, and
 # only with at least 32 heads (round robin aliases with the documents below ~24, by
@@ -364,7 +366,7 @@ _TMA_TILE_ROWS = 8
 @dataclasses.dataclass(frozen=True)
 class _Tails:
     """A call's real lengths T, S and head dims H, Hv; the whole tiles (multiples of 128) the
-    kernels run over, and the one head dim they compute with (`_kernel_head_dim`).
+    kernels run over, and the head dims they compute with (`_kernel_head_dims`).
 
     Lengths that are not multiples of 128 are not copied into padded arrays: the kernels read q, k,
     v, dO, O in place and write out, dq, dk, dv in place, and TMA fills the rows of a box past the
@@ -374,11 +376,11 @@ class _Tails:
     such an array when lowering), to the next multiple of 8; the small per-row arrays (lse,
     delta, segment ids) are padded to whole tiles.
 
-    Head dims the kernels lack (96, 192, or v's differing from q's, MLA-style) are zero-padded
-    to the kernels' head dim, in the same copy as any row padding: zero columns of q and k add
-    nothing to q k^T (the scale is the caller's, from the real H), zero columns of v give zero
-    columns of out that are sliced off, and the gradients' padded columns are dropped. It costs
-    the padded FLOPs (H 96 runs as 128, MLA's 192/128 as 192/192).
+    Head dims the kernels lack (80, 160, ...) are zero-padded to the kernels' head dims, in the
+    same copy as any row padding: zero columns of q and k add nothing to q k^T (the scale is the
+    caller's, from the real H), zero columns of v give zero columns of out that are sliced off,
+    and the gradients' padded columns are dropped. It costs the padded FLOPs (H 80 runs as 96).
+    v's head dim is padded on its own (MLA's 192/128 runs as it is).
 
     Real positions keep their indices, so the causal / window band is that of the real call
     (`_Band.forward` takes S - T from the real lengths). No real query sees a key past S: the
@@ -406,7 +408,13 @@ class _Tails:
 
     @property
     def head_dim(self) -> int:
-        return _kernel_head_dim(self.H, self.Hv)
+        """The kernels' q/k head dim."""
+        return _kernel_head_dims(self.H, self.Hv)[0]
+
+    @property
+    def value_head_dim(self) -> int:
+        """The kernels' v head dim (that of out, dO and dv too)."""
+        return _kernel_head_dims(self.H, self.Hv)[1]
 
     @staticmethod
     def _pad(x, widths: dict[int, int], **how):
@@ -419,13 +427,16 @@ class _Tails:
     def _tma_length(n: int) -> int:
         return max(CTA, -(-n // _TMA_TILE_ROWS) * _TMA_TILE_ROWS)
 
-    def tma_rows(self, x):
-        """x [B, T, N, H|Hv] as the kernels read it (see above)."""
-        return self._pad(x, {1: self._tma_length(self.T) - self.T, 3: self.head_dim - x.shape[3]})
+    def _width(self, value: bool) -> int:
+        return self.value_head_dim if value else self.head_dim
 
-    def tma_cols(self, x):
-        """x [B, S, K, H|Hv] as the kernels read it (see above)."""
-        return self._pad(x, {1: self._tma_length(self.S) - self.S, 3: self.head_dim - x.shape[3]})
+    def tma_rows(self, x, value: bool = False):
+        """x [B, T, N, H] (q), or [B, T, N, Hv] with `value` (out, dO), as the kernels read it."""
+        return self._pad(x, {1: self._tma_length(self.T) - self.T, 3: self._width(value) - x.shape[3]})
+
+    def tma_cols(self, x, value: bool = False):
+        """x [B, S, K, H] (k), or [B, S, K, Hv] with `value` (v), as the kernels read it."""
+        return self._pad(x, {1: self._tma_length(self.S) - self.S, 3: self._width(value) - x.shape[3]})
 
     def real_rows(self, x, head_dim: int):
         """The real part [:, :T, :, :head_dim] of a kernel result [B, T, N, ...] (out, dq)."""
@@ -447,34 +458,45 @@ class _Tails:
         return edge(q_segment_ids, self.T_padded - self.T), edge(kv_segment_ids, self.S_padded - self.S)
 
 
-def _kernel_head_dim(H: int, Hv: int) -> int | None:
-    """The kernels' head dim for q/k head dim H and v head dim Hv: the smallest of `_HEAD_DIMS`
-    that holds both (None past 256)."""
-    return next((d for d in _HEAD_DIMS if d >= max(H, Hv)), None)
+def _kernel_head_dims(H: int, Hv: int) -> tuple[int, int] | None:
+    """The kernels' (q/k, v) head dims for a call's H and Hv (None past 256): each the smallest of
+    `_HEAD_DIMS` that holds it. v's may be narrower than q/k's (MLA's 192 / 128 computes P V, dO V^T
+    and dv at 128), except beside 256, whose forward has no SMEM for a narrower output buffer; a v
+    wider than q/k pads q/k too."""
+    fit = lambda n: next((d for d in _HEAD_DIMS if d >= n), None)
+    dims = fit(H), fit(Hv)
+    if None in dims:
+        return None
+    if dims[1] > dims[0] or dims[0] == _HEAD_DIMS[-1]:
+        return (max(dims),) * 2
+    return dims
 
 
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
     del bias, mask, dropout_seed  # refused by _supports
     tails = _Tails.of(q, k, v)
-    out, lse = _flash_forward(tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v),
+    out, lse = _flash_forward(tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v, value=True),
                               *tails.ids(q_segment_ids, kv_segment_ids), spec, tails)
     return tails.real_rows(out, tails.Hv), lse[:, :, :tails.T]
 
 
 def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
-    """(out [B, Tq, N, H] for q [B, Tq, N, H], lse [B, N, T] over whole tiles, `_Tails`)."""
+    """(out [B, Tq, N, Hv] for q [B, Tq, N, H] and v [B, Sk, K, Hv], lse [B, N, T] over whole
+    tiles, `_Tails`)."""
     B, _, N, H = q.shape
-    K = k.shape[2]
+    K, Hv = k.shape[2], v.shape[3]
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
     bkv = 128 if H <= 128 else 64
     item = jnp.dtype(dt).itemsize
     segmented = q_segment_ids is not None
-    per_stage, q_bytes = 2 * bkv * H * item + (4 * bkv if segmented else 0), CTA * H * item
+    per_stage = bkv * (H + Hv) * item + (4 * bkv if segmented else 0)
+    q_bytes, out_bytes = CTA * H * item, CTA * Hv * item
     # A separate output buffer lets a consumer load its next Q tile before its last P V; where
     # it would leave fewer than 2 ring stages (H = 256) the output goes out through Q's buffer.
-    separate_out = _SMEM_BUDGET - 2 * q_bytes >= 2 * per_stage
-    stages = _stages(per_stage, (2 if separate_out else 1) * q_bytes)
+    separate_out = _SMEM_BUDGET - q_bytes - out_bytes >= 2 * per_stage
+    assert separate_out or Hv == H, "an output narrower than Q needs its own buffer (`_kernel_head_dims`)"
+    stages = _stages(per_stage, q_bytes + (out_bytes if separate_out else 0))
     band = _Band.forward(spec, tails)
     interpret = interpret_enabled()
     overlap = H in _OVERLAP_HEAD_DIMS
@@ -489,8 +511,9 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             tl = dataclasses.replace(tl, lo=lo, hi=jnp.maximum(tl.hi, lo + 1))
         return tl
 
+    persistent_dims = _PERSISTENT_HEAD_DIMS + (_PERSISTENT_NARROW_V_HEAD_DIMS if Hv < H else ())
     schedule = _schedule(lambda t: tile_at(t).steps, (N, q_tiles, B), H, segmented, interpret,
-                         persistent_dims=_PERSISTENT_HEAD_DIMS, segmented_dims=_PERSISTENT_SEGMENTED_HEAD_DIMS)
+                         persistent_dims=persistent_dims, segmented_dims=_PERSISTENT_SEGMENTED_HEAD_DIMS)
 
     def kernel(q_ref, k_ref, v_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref, out_ref, lse_ref,
                q_smem, o_smem, k_smem, v_smem, lse_smem, stage, row_ids_smem, col_ids_smem,
@@ -543,11 +566,11 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
                 sched.turn()
                 if H > 128:
                     l = l_new
-                acc = mma(p16, v_smem.at[slot], (ROWS, H), acc=acc, a_in_regs=True)
+                acc = mma(p16, v_smem.at[slot], (ROWS, Hv), acc=acc, a_in_regs=True)
                 v_ring.release(slot, g, total)
                 return acc, m, l
 
-            carry = (zeros((ROWS, H)), m, l)
+            carry = (zeros((ROWS, Hv)), m, l)
             acc, m, l = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
             pl.when(wg == 0)(sched.handover)  # WG 1's last turn
             q_free()
@@ -590,14 +613,14 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             first = tl.lo + 1  # block lo was the prologue
             mid_lo = jnp.maximum(tl.full_lo, first)
             acc, m, l, p16 = _three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, step,
-                                          (zeros((ROWS, H)), m, l, p.astype(dt)), band, segmented)
+                                          (zeros((ROWS, Hv)), m, l, p.astype(dt)), band, segmented)
             q_free()  # every Q K^T of this tile is done
             g = base + tl.steps - 1
             last = lax.rem(g, i32(stages))
             plgpu.barrier_wait(v_bar.at[last])
             sched.turn()
             # WG 1 started with a handover: it skips its last one so that arrivals pair up.
-            acc = mma(p16, v_smem.at[last], (ROWS, H), acc=acc, a_in_regs=True,
+            acc = mma(p16, v_smem.at[last], (ROWS, Hv), acc=acc, a_in_regs=True,
                       after_issue=lambda: pl.when(wg == 0)(sched.handover))
             v_ring.release(last, g, total)
             return acc, m, l
@@ -674,13 +697,13 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 
             schedule.run(table_ref, one_tile)
 
-    tr = _block_transforms(dt, H)
+    tr = _block_transforms(dt, H, Hv)
 
     scratch = [
         plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr) if separate_out else None,
+        plgpu.SMEM((WGS, ROWS, Hv), dt, transforms=tr) if separate_out else None,
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
-        plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bkv, Hv), dt, transforms=tr),
         plgpu.SMEM((WGS, ROWS), F32),
         *_staging_and_segment_buffers(dt, bkv, stages, interpret, segmented),
     ]
@@ -692,7 +715,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
         plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
     ]
-    out_type = (jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((B, N, T), F32))
+    out_type = (jax.ShapeDtypeStruct(q.shape[:3] + (Hv,), dt), jax.ShapeDtypeStruct((B, N, T), F32))
     out, lse = launch("attention_fwd", kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
     return out, lse
@@ -703,8 +726,8 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 
 def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _Tails,
          parts: tuple[str, ...] = ("dk", "dv"), bq: int = 64):
-    """The `parts` of (dk, dv) [B, S, K, H]: one CTA per 128 keys of one (b, kv head), the
-    accumulators in registers, query blocks of `bq` rows streamed.
+    """The `parts` of (dk [B, S, K, H], dv [B, S, K, Hv]): one CTA per 128 keys of one (b, kv
+    head), the accumulators in registers, query blocks of `bq` rows streamed.
 
     At H > 128 dk and dv would take 192-256 registers per thread together, so `_backward` launches
     this kernel once per part: dk (which needs V too, for dpT) with 32-query blocks, dv (K only)
@@ -716,16 +739,19 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     So dq stays a separate, deterministic kernel.
     """
     B, _, N, H = q.shape
-    K = k.shape[2]
+    K, Hv = k.shape[2], v.shape[3]
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
     want_dk, want_dv = "dk" in parts, "dv" in parts
     item = jnp.dtype(dt).itemsize
     interpret = interpret_enabled()
     segmented = q_segment_ids is not None
-    # Per ring slot Q, dO, lse (and delta for dk); per tile K (and V for dk's dpT = v dO^T).
+    # Per ring slot Q, dO, lse (and delta for dk); per tile K, and V for dk's dpT = v dO^T. dv
+    # goes out through V's buffer, or K's when there is none and it is as wide.
+    v_tile = want_dk or Hv != H
+    widths = {"dk": H, "dv": Hv}
     row_terms = (2 if want_dk else 1) + (1 if segmented else 0)
-    stages = _stages(2 * bq * H * item + row_terms * bq * 4, (2 if want_dk else 1) * CTA * H * item)
+    stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4, CTA * (H + (Hv if v_tile else 0)) * item)
     band = _Band.keys_by_query(spec, tails)
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
@@ -755,7 +781,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
             total = schedule.total(table_ref, steps_of)
             ring.prime(total)
             k_s = k_smem.at[wg]
-            v_s = v_smem.at[wg] if want_dk else None
+            v_s = v_smem.at[wg] if v_tile else None
             mma = Mma(interpret, None if stage is None else stage.at[wg])
 
             def one_tile(kk, t, base):
@@ -790,7 +816,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                             col_ids = _segment_ids(col_ids_smem, slot, 0)
                             pt = jnp.where(_allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
                         if not want_dk:
-                            acc["dv"] = mma(pt.astype(dt), do_smem.at[slot], (ROWS, H), acc=acc["dv"], a_in_regs=True)
+                            acc["dv"] = mma(pt.astype(dt), do_smem.at[slot], (ROWS, Hv), acc=acc["dv"], a_in_regs=True)
                         elif not fresh_pair:
                             acc["dv"], dpt = mma.two(acc["dv"], pt.astype(dt), do_smem.at[slot], v_s, do_t, (ROWS, bq))
                         if want_dk:
@@ -808,9 +834,11 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
 
                     return _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
 
-                accs = lax.fori_loop(0, G, head, tuple(zeros((ROWS, H)) for _ in parts))
+                accs = lax.fori_loop(0, G, head, tuple(zeros((ROWS, widths[name])) for name in parts))
                 # The results go out through the K/V buffers (every wgmma reading them is done).
-                for name, acc, buf in zip(parts, accs, (k_s, v_s)):
+                bufs = {"dk": k_s, "dv": k_s if v_s is None else v_s}
+                for name, acc in zip(parts, accs):
+                    buf = bufs[name]
                     buf[...] = (acc * spec.scale if name == "dk" else acc).astype(dt)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(buf, out_refs[name].at[gk])
@@ -847,13 +875,13 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
 
             schedule.run(table_ref, one_tile)
 
-    tr = _block_transforms(dt, bq, H)  # one swizzle for every wgmma operand
+    tr = _block_transforms(dt, bq, H, Hv)  # one swizzle for every wgmma operand
 
     scratch = [
         plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr) if want_dk else None,
+        plgpu.SMEM((WGS, ROWS, Hv), dt, transforms=tr) if v_tile else None,
         plgpu.SMEM((stages, bq, H), dt, transforms=tr),
-        plgpu.SMEM((stages, bq, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bq, Hv), dt, transforms=tr),
         plgpu.SMEM((stages, bq), F32),
         plgpu.SMEM((stages, bq), F32) if want_dk else None,
         *_staging_and_segment_buffers(dt, bq, stages, interpret, segmented),
@@ -861,31 +889,32 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
     bars = _backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
                               segmented=segmented)
-    kv_type = jax.ShapeDtypeStruct(k.shape, dt)
+    out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts)
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
-    return launch(name, kernel, scratch, bars, tuple(kv_type for _ in parts), schedule, interpret)(
+    return launch(name, kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
 
 
 def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: _Tails, *,
         fused_delta: bool):
-    """dq [B, T, N, H]: one CTA per 128 query rows of one (b, n), key blocks of `_dq_block_kv` streamed.
+    """dq [B, T, N, H] (v, dO, O [.., Hv]): one CTA per 128 query rows of one (b, n), key blocks of
+    `_dq_block_kv` streamed.
 
     fused_delta: row_term is dlse, and delta = rowsum(dO * O) - dlse is computed here for the
     CTA's own rows before its loop and returned too, (dq, delta [B, N, T] f32), for the dK/dV
     kernel (the producer streams the tile's O rows through the tile's first ring slot: the
-    kernel has no SMEM to spare, so a tile makes steps + 1 ring uses). Otherwise row_term is
-    delta itself and `out` is not read (see `_DELTA_IN_DQ_KERNEL`)."""
+    kernel has no SMEM to spare, so a tile makes steps + 1 ring uses; so Hv = H). Otherwise
+    row_term is delta itself and `out` is not read (see `_DELTA_IN_DQ_KERNEL`)."""
     B, _, N, H = q.shape
-    K = k.shape[2]
+    K, Hv = k.shape[2], v.shape[3]
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
     G, dt = N // K, q.dtype
     bkv = _dq_block_kv(H)
-    assert bkv >= CTA or not fused_delta, "the O rows of a tile go through one K ring slot"
+    assert (bkv >= CTA and Hv == H) or not fused_delta, "the O rows of a tile go through one K ring slot"
     item = jnp.dtype(dt).itemsize
     segmented = q_segment_ids is not None
     assert not (segmented and fused_delta), "the O rows' ring use has no segment ids copy"
-    stages = _stages(2 * bkv * H * item + (4 * bkv if segmented else 0), 2 * CTA * H * item)
+    stages = _stages(bkv * (H + Hv) * item + (4 * bkv if segmented else 0), CTA * (H + Hv) * item)
     band = _Band.forward(spec, tails)
     interpret = interpret_enabled()
     tile_at = lambda t, reach=None: _Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
@@ -995,13 +1024,13 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
             schedule.run(table_ref, one_tile)
 
-    tr = _block_transforms(dt, bkv, H)  # one swizzle for every wgmma operand
+    tr = _block_transforms(dt, bkv, H, Hv)  # one swizzle for every wgmma operand
 
     scratch = [
         plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((WGS, ROWS, Hv), dt, transforms=tr),
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
-        plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+        plgpu.SMEM((stages, bkv, Hv), dt, transforms=tr),
         plgpu.SMEM((WGS, ROWS), F32),
         plgpu.SMEM((WGS, ROWS), F32),
         plgpu.SMEM((WGS, ROWS), F32),
@@ -1023,12 +1052,12 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0; so do the
     # rows past T (`_Tails`), whose dO is 0.
     lse2 = tails.row_stats(jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf), jnp.inf)
-    q, k, v = tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v)
-    out, dout = tails.tma_rows(out.astype(dt)), tails.tma_rows(dout.astype(dt))
+    q, k, v = tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v, value=True)
+    out, dout = tails.tma_rows(out.astype(dt), value=True), tails.tma_rows(dout.astype(dt), value=True)
     segments = tails.ids(q_segment_ids, kv_segment_ids)
     # delta in the dQ kernel needs a key block that holds a tile's O rows (`_dq`).
     if (_DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None
-            and _dq_block_kv(H) >= CTA):
+            and _dq_block_kv(H) >= CTA and tails.value_head_dim == H):
         dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
     else:
         rows = slice(0, tails.T)
@@ -1056,7 +1085,7 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         return "bias/mask not supported"
     if spec.dropout_rate > 0:
         return "dropout not supported"
-    if _kernel_head_dim(H, Hv) is None:
+    if _kernel_head_dims(H, Hv) is None:
         return f"head_dim {H} (v {Hv}) not supported: needs both at most {_HEAD_DIMS[-1]}"
     if T == 0 or S == 0:
         return f"T={T}, S={S}: empty"
