@@ -88,7 +88,7 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
 
 def _pallas_gpu_pads_head_dims(args) -> bool:
     """A q/k head dim pallas_gpu's kernels lack (they have 64, 96, 128, 192, 256), which it
-    zero-pads to the next (`_Tails` in kernels/pallas/gpu/attention.py; a v head dim that differs,
+    zero-pads to the next (`Tails` in kernels/pallas/gpu/attention_tiles.py; a v head dim that differs,
     like MLA's 128 beside 192, runs at its own, `_kernel_head_dims`). Padded, its forward measured
     slower than Triton's and its forward+backward faster (H200, bf16, causal, 96 padded to 128
     before the 96 kernels, packed 8x2048, B1 T16384 N32, ms against Triton's: fwd 0.910 against
@@ -99,8 +99,8 @@ def _pallas_gpu_pads_head_dims(args) -> bool:
 
 
 def _aligned(args) -> bool:
-    """T and S that pallas_gpu runs in place: at least 128 and multiples of 8 (`_Tails` in
-    kernels/pallas/gpu/attention.py). The measurements behind the orders above are at multiples of
+    """T and S that pallas_gpu runs in place: at least 128 and multiples of 8 (`Tails` in
+    kernels/pallas/gpu/attention_tiles.py). The measurements behind the orders above are at multiples of
     128; in place, T4000 ran like T4096 (soft cap B4 N32 H128 on an H100: fwd 1.153 against 1.140
     ms, fwd+bwd 5.19 against 5.24; causal fwd 0.975 against cuDNN's 1.071,
     results/attention_H100_unaligned_in_place.json). Other lengths copy the arrays padded, which

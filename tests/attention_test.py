@@ -208,7 +208,7 @@ def test_pallas_gpu_persistent_packed(monkeypatch, H, grouped):
 
 # pallas_gpu runs lengths that are not multiples of 128 over whole tiles of the arrays in place:
 # TMA (and the interpreter) zero-fill the rows of a box past the array's end and drop them on
-# stores; keys past S are cut by the causal band or, without one, by a column limit (`_Tails`).
+# stores; keys past S are cut by the causal band or, without one, by a column limit (`Tails`).
 # Both lengths here exceed one tile, so both the query and the key boxes run past the end; 140 is
 # not a multiple of 8, so those arrays are padded to 144 first.
 UNALIGNED_CASES = {
@@ -263,7 +263,7 @@ def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, grid, monke
 
 
 # pallas_gpu with segment ids: sorted documents (tiles inside one document skip the segment
-# compare: `_within_reach`), ids only one side has (fully masked rows and keys), unsorted ids (the
+# compare: `within_reach`), ids only one side has (fully masked rows and keys), unsorted ids (the
 # reach is a superset); both forward schedules; GQA; causal, window and T != S.
 SEGMENT_CASES = {
     "causal_documents": (256, 256, dict(causal=True), lambda: (_documents(1, 256, 70, 2),) * 2),
@@ -384,8 +384,8 @@ def test_value_head_dim_may_differ(backend, Hv):
     _check(backend, _qkv(1, 64, 80, 4, 2, 64, jnp.bfloat16, seed=Hv, Hv=Hv), dict(causal=True))
 
 
-# Head dims the pallas_gpu kernels lack run zero-padded to the next kernel head dim (`_Tails` in
-# kernels/pallas/gpu/attention.py), in one copy with any row padding: 80 (96), 160 (192); and on CPU
+# Head dims the pallas_gpu kernels lack run zero-padded to the next kernel head dim (`Tails` in
+# kernels/pallas/gpu/attention_tiles.py), in one copy with any row padding: 80 (96), 160 (192); and on CPU
 # the same padding into the head_dim-64 and -96 kernels the interpreter affords, with lengths that
 # also pad rows (T 100: a copy; 136: whole tiles in place). 96 has kernels of its own: checked
 # padding-free here too. A v narrower than q/k runs at its own (padded) head dim
@@ -765,7 +765,7 @@ def test_training_order_rule():
     assert order(64, causal=True) == ("pallas_gpu",)
     assert order(192, causal=True) == order(96, causal=True) == ("pallas_gpu",)
     assert order(96) == ()
-    assert order(64, T=1000, causal=True) == ("pallas_gpu",)  # in place (`_Tails`)
+    assert order(64, T=1000, causal=True) == ("pallas_gpu",)  # in place (`Tails`)
     assert order(64, T=1001, causal=True) == ()  # copied padded: cuDNN first
     assert order(64, T=120, causal=True) == ()
     assert order(64, platform="tpu", causal=True) == ()

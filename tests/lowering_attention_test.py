@@ -44,7 +44,7 @@ SHAPES = {
     "packed segments H64 GQA": (2, 4096, 4096, 16, 4, 64, dict(segments=True)),
     "packed segments H256": (1, 4096, 4096, 8, 8, 256, dict(causal=True, segments=True)),
     "unaligned T1000 S3000 soft cap": (2, 1000, 3000, 16, 4, 128, dict(causal=True, logit_soft_cap=50.0)),
-    # Not causal: pallas_gpu masks the keys past S by a column limit (`_Band.cols`); S not a
+    # Not causal: pallas_gpu masks the keys past S by a column limit (`Band.cols`); S not a
     # multiple of 8: its arrays are padded (a Mosaic GPU TMA array needs whole 8-row tiles).
     "unaligned full T1000 S1100 H64": (2, 1000, 1100, 8, 8, 64, {}),
     # jax.vmap over a leading axis of 3 (the kernels' batching rules, scalar prefetch included).

@@ -201,19 +201,19 @@ def _attention_spec() -> Spec:
         Shape("packed 32x512 GQA H64 causal B1 T16384 N32 KV8", (1, 16384, 32, 8, 64), "bfloat16",
               options=(("causal", True), ("documents", 512))),
         # Unaligned length (not a multiple of 128) with a soft cap: cuDNN cannot; pallas_gpu runs it
-        # in place over whole tiles (`_Tails`).
+        # in place over whole tiles (`Tails`).
         Shape("soft cap 50 causal B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("logit_soft_cap", 50.0))),
-        # Not causal, so pallas_gpu masks the keys past S (`_Band.cols`); and the plain causal call
+        # Not causal, so pallas_gpu masks the keys past S (`Band.cols`); and the plain causal call
         # at that length, which cuDNN takes.
         Shape("soft cap 50 full B4 T4000 N32", (4, 4000, 32, 32, 128), "bfloat16",
               options=(("logit_soft_cap", 50.0),)),
         Shape("causal B4 T4000 N32 H128", (4, 4000, 32, 32, 128), "bfloat16", options=(("causal", True),)),
-        # A length that is not a multiple of 8: pallas_gpu copies the arrays padded to 4008 (`_Tails`).
+        # A length that is not a multiple of 8: pallas_gpu copies the arrays padded to 4008 (`Tails`).
         Shape("soft cap 50 causal B4 T4001 N32", (4, 4001, 32, 32, 128), "bfloat16",
               options=(("causal", True), ("logit_soft_cap", 50.0))),
         # MLA's q/k 192 with v 128 (DeepSeek-V2/V3 training; cuDNN through jax.nn needs equal head
-        # dims; pallas_gpu pads v to 192, `_Tails`), 192 itself, and Phi-3's 96: plain (cuDNN takes
+        # dims; pallas_gpu computes v at 128), 192 itself, and Phi-3's 96: plain (cuDNN takes
         # it) and packed (cuDNN cannot; the anchors run it unpacked).
         Shape("MLA H192 v128 causal B4 T4096 N16", (4, 4096, 16, 16, 192), "bfloat16",
               options=(("causal", True), ("value_head_dim", 128))),

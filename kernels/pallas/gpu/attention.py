@@ -3,12 +3,12 @@
 Contract: kernels/common/attention.py (q [B,T,N,H], k/v [B,S,K,H], lse [B,N,T] f32, GQA head
 n -> kv head n // G with G = N // K, causal/window aligned so the last query sits at the last key:
 query t is at key position t + off, off = S - T). Scope: bf16/f16, kernels at head dim 64, 96,
-128, 192 and 256 (other head dims up to 256, and v's differing from q's, zero-padded to the next:
-`_Tails`),
-causal / window / logit soft cap / segment ids; everything else is refused by `_supports` (the op
-then falls back to Triton or XLA). Lengths that are not multiples of 128 run as whole tiles over
-the arrays in place (TMA zero-fills past their end), the keys past the end cut by the band or by
-a column limit (`_Tails`).
+128, 192 and 256 (other head dims up to 256 zero-padded to the next; a narrower v at its own,
+`_kernel_head_dims`), causal / window / logit soft cap / segment ids; everything else is refused
+by `_supports` (the op then falls back to Triton or XLA). Lengths that are not multiples of 128
+run as whole tiles over the arrays in place (TMA zero-fills past their end), the keys past the
+end cut by the band or by a column limit. The block ranges, masks and padding the kernels share
+(`Band`, `Tile`, `Tails`) are in attention_tiles.py; the warpgroup machinery in warpgroups.py.
 
 Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
   * WG 0 and WG 1 (consumers) each own 64 query rows: Q via TMA into SMEM, then per key block j
@@ -21,18 +21,18 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
   * Schedules (FA3): the two consumers ping-pong on hardware named barriers, one running its
     softmax while the other has the tensor cores. At H = 128 a WG also overlaps block j's
     softmax with its own in-flight P_{j-1} V_{j-1} (intra-warpgroup overlap, 240 registers per
-    consumer); at H = 64, 192 and 256 each block is Q K^T, softmax, P V in turn.
+    consumer); at H = 64, 96, 192 and 256 each block is Q K^T, softmax, P V in turn.
   * WG 2 (producer, 24 registers) streams K and V blocks into a ring of `stages` SMEM slots
     (per-slot "loaded" mbarriers filled by TMA, "free" named barriers released by both consumers).
-  * Grid: at H = 64 and 128 persistent (one CTA per SM running the tiles `balance` gives it, in
-    tile order, so the next tile's loads overlap the current tile's end); at H = 192 and 256 one
-    CTA per tile (see `_PERSISTENT_HEAD_DIMS`).
+  * Grid: at H = 64, 96 and 128, and 192 beside a narrower v, persistent (one CTA per SM running
+    the tiles `balance` gives it, in tile order, so the next tile's loads overlap the current
+    tile's end); otherwise at H = 192 and 256 one CTA per tile (see `_PERSISTENT_HEAD_DIMS`).
   * Only the key blocks a query block can see are visited ([lo, hi) from causal/window); the
     blocks every row fully sees skip the mask (three loops: masked edge, unmasked middle,
     masked edge), so causal costs ~half of non-causal.
   * Segment ids (packed sequences; every kernel alike): [lo, hi) is narrowed further to the
     columns the tile's ids may reach (`segment_ranges`, read per tile from a [B, tiles, 3]
-    table, `_within_reach`), the masked steps also compare the row ids (loaded once per tile)
+    table, `within_reach`), the masked steps also compare the row ids (loaded once per tile)
     with the column block's ids (TMA'd into the ring with K, or with Q/dO in the dK/dV kernel),
     and only blocks inside one segment shared by the whole tile stay unmasked. The blocks then
     depend on the data, so the kernels run one CTA per tile and the dQ kernel reads
@@ -80,13 +80,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forgeax.kernels.common.attention import (
-    AttentionKernels, AttentionSpec, differentiable_attention, segment_ranges,
-)
+from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
 from forgeax.kernels.pallas.gpu import gpu_refusal
+from forgeax.kernels.pallas.gpu.attention_tiles import (
+    Band, Tails, Tile, allowed, segment_ids, segment_inputs, three_loops,
+)
 from forgeax.kernels.pallas.gpu.warpgroups import (
     CTA, F32, FIRST_NAMED_BARRIER, REGS, ROWS, WGS, Mma, PingPong, Schedule, SlotFree, bcast, full_rows, i32, launch,
-    transforms, unravel, zeros,
+    transforms, zeros,
 )
 from forgeax.ops.interface import Implementation, interpret_enabled
 
@@ -95,7 +96,7 @@ _LN2 = math.log(2.0)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Every setting below was chosen by GPU measurements; the numbers and JSON behind each are in
 # benchmarks/ATTENTION.md ("pallas_gpu's settings"). The kernels' head dims (others are zero-padded
-# to the next, `_Tails`): 192 for MLA (1.31x fwd+bwd over padding to 256), 96 for Phi-3 (64-byte
+# to the next, `Tails`): 192 for MLA (1.31x fwd+bwd over padding to 256), 96 for Phi-3 (64-byte
 # swizzle, 1.41x over padding to 128).
 _HEAD_DIMS = (64, 96, 128, 192, 256)
 _SMEM_BUDGET = 200 * 1024
@@ -151,117 +152,6 @@ def _schedule(steps_of, dims: tuple[int, int, int], H: int, segmented: bool, int
         persistent = H in persistent_dims
     return Schedule.of(steps_of, dims, persistent, interpret)
 
-
-def _within_reach(lo, full_lo, full_hi, hi, col_lo, col_hi, uniform, blk: int):
-    """Narrows a tile's column blocks (lo, full_lo, full_hi, hi) to the columns [col_lo, col_hi)
-    its segment ids may reach (`segment_ranges`). The unmasked blocks keep only those inside one
-    segment every row shares (uniform), none otherwise: the masked steps compare segment ids."""
-    div = lambda x: lax.div(x, i32(blk))
-    lo = jnp.maximum(lo, div(col_lo))
-    hi = jnp.maximum(jnp.minimum(hi, div(col_hi + blk - 1)), lo)
-    full_lo = jnp.where(uniform != 0, jnp.maximum(full_lo, div(col_lo + blk - 1)), hi)
-    full_hi = jnp.where(uniform != 0, jnp.minimum(full_hi, div(col_hi)), hi)
-    full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
-    full_hi = jnp.minimum(jnp.maximum(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
-
-
-def _segment_inputs(row_ids, col_ids) -> tuple:
-    """A kernel's segment inputs: row ids [B, R], column ids [B, C] (int32) and the reach of each
-    128-row tile (`segment_ranges`); 1-element placeholders without segment ids."""
-    if row_ids is None:
-        return jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1, 3), jnp.int32)
-    row_ids, col_ids = row_ids.astype(jnp.int32), col_ids.astype(jnp.int32)
-    return row_ids, col_ids, segment_ranges(row_ids, col_ids, CTA)
-
-
-def _segment_ids(buf, index, axis: int):
-    """Segment ids staged in SMEM buf[index], loaded in WGMMA row (axis 1) or column (axis 0)
-    layout; None when the call has none (buf is then None)."""
-    return None if buf is None else plgpu.load(buf.at[index], layout=plgpu.Layout.WGMMA.reduce(axis))
-
-
-def _allowed(band: _Band, x0, y0, shape, row_ids=None, col_ids=None):
-    """Position rule AND same segment over a (rows, cols) WGMMA tile at (x0, y0), or None if
-    neither applies; row_ids / col_ids: the tile's segment ids in WGMMA row / column layout."""
-    ok = band.mask(x0, y0, shape)
-    if row_ids is None:
-        return ok
-    same = bcast(row_ids, shape, 0) == bcast(col_ids, shape, 1)
-    return same if ok is None else ok & same
-
-
-# ----------------------------------------------------------------------------- block ranges
-
-
-@dataclasses.dataclass(frozen=True)
-class _Band:
-    """Row x (this CTA's axis) sees column y (the looped axis) iff a <= y - x <= b (None =
-    unbounded) and y < cols (None: every column exists; else the columns from cols on are padding
-    that a real row could otherwise reach, see `_Tails`)."""
-
-    a: int | None
-    b: int | None
-    cols: int | None = None
-
-    @staticmethod
-    def forward(spec: AttentionSpec, tails: "_Tails") -> "_Band":
-        T, S = tails.T, tails.S
-        off = S - T  # rows are queries, columns keys: s - t in [off - left, off + right]
-        # The last real query reaches key S - 1 + right: padded keys only with right > 0 or none.
-        reaches_padding = tails.S_padded > S and (spec.right is None or spec.right > 0)
-        return _Band(None if spec.window_left is None else off - spec.window_left,
-                     None if spec.right is None else off + spec.right,
-                     S if reaches_padding else None)
-
-    @staticmethod
-    def keys_by_query(spec: AttentionSpec, tails: "_Tails") -> "_Band":
-        # Padded queries may stay in: their dO is 0 and lse -inf, so they add exactly 0 (`_Tails`).
-        off = tails.S - tails.T  # rows are keys, columns queries: t - s in [-off - right, -off + left]
-        return _Band(None if spec.right is None else -off - spec.right,
-                     None if spec.window_left is None else -off + spec.window_left)
-
-    @property
-    def masks(self) -> bool:
-        return self.a is not None or self.b is not None or self.cols is not None
-
-    def blocks(self, r0, rows: int, blk: int, length: int):
-        """(lo, full_lo, full_hi, hi): column blocks [lo, hi) are visible to rows [r0, r0+rows);
-        those in [full_lo, full_hi) are visible to every row (no mask needed)."""
-        limit = length if self.cols is None else self.cols  # the columns that exist
-        clip = lambda x: jnp.minimum(jnp.maximum(x, 0), limit)
-        div = lambda x: lax.div(x, i32(blk))
-        lo = i32(0) if self.a is None else div(clip(r0 + self.a))
-        hi = i32(-(-limit // blk)) if self.b is None else div(clip(r0 + rows + self.b) + blk - 1)
-        hi = jnp.maximum(hi, lo)
-        full_edge = i32(limit) if self.b is None else clip(r0 + self.b + 1)  # columns below it: every row
-        full_hi = jnp.minimum(jnp.maximum(div(full_edge), lo), hi)
-        full_lo = lo if self.a is None else div(clip(r0 + rows - 1 + self.a) + blk - 1)
-        full_lo = jnp.minimum(jnp.maximum(full_lo, lo), full_hi)
-        return lo, full_lo, full_hi, hi
-
-    def mask(self, x0, y0, shape):
-        """Allowed (x, y) over a (rows, cols) register tile starting at (x0, y0), WGMMA layout."""
-        x = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        y = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        d = (y - x) + (y0 - x0)
-        rules = []
-        if self.a is not None:
-            rules.append(d >= self.a)
-        if self.b is not None:
-            rules.append(d <= self.b)
-        if self.cols is not None:
-            rules.append(y < self.cols - y0)
-        return functools.reduce(jnp.logical_and, rules) if rules else None
-
-
-def _three_loops(lo, full_lo, full_hi, hi, step, carry, band: _Band, segmented: bool = False):
-    """step(j, carry, masked) over [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
-    if not band.masks and not segmented:  # no mask at all: every block is full
-        return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-    return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
 def _scores(x, spec: AttentionSpec):
@@ -323,141 +213,6 @@ def _backward_barriers(tile_copies: int, slot_copies: int, stages: int, segmente
     ]
 
 
-# ----------------------------------------------------------------------------- forward
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tile:
-    """One work item: 128 rows [r0, r0 + 128) (queries; keys in the dK/dV kernel) of head n of
-    batch b, and the column blocks [lo, hi) it visits (`_Band.blocks`)."""
-
-    b: jax.Array
-    n: jax.Array
-    r0: jax.Array
-    lo: jax.Array
-    full_lo: jax.Array
-    full_hi: jax.Array
-    hi: jax.Array
-
-    @classmethod
-    def of(cls, t, dims: tuple[int, int, int], band: _Band, blk: int, length: int, last_first: bool,
-           reach=None) -> "_Tile":
-        """Tile t, an id over dims = (heads, row tiles, batch) with heads fastest, or those three
-        indices. Under causal masking the longest tiles come first, so the tail of a schedule is
-        made of short ones (measured on the forward: shortest first is 1.6x slower): the last
-        query tiles (`last_first`), the first key tiles otherwise. reach: with segment ids, the
-        [B, row tiles, 3] ref of `segment_ranges` that narrows the blocks (`_within_reach`)."""
-        n, i, b = t if isinstance(t, tuple) else unravel(t, dims)
-        row_tile = (dims[1] - 1 - i) if last_first else i
-        r0 = row_tile * CTA
-        blocks = band.blocks(r0, CTA, blk, length)
-        if reach is not None:
-            blocks = _within_reach(*blocks, *(reach[b, row_tile, f] for f in range(3)), blk)
-        return cls(b, n, r0, *blocks)
-
-    @property
-    def steps(self):
-        return self.hi - self.lo
-
-
-_TMA_TILE_ROWS = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tails:
-    """A call's real lengths T, S and head dims H, Hv; the whole tiles (multiples of 128) the
-    kernels run over, and the head dims they compute with (`_kernel_head_dims`).
-
-    Lengths that are not multiples of 128 are not copied into padded arrays: the kernels read q, k,
-    v, dO, O in place and write out, dq, dk, dv in place, and TMA fills the rows of a box past the
-    array's end with zeros on loads and drops them on stores (so does the interpreter). Those
-    arrays are padded only when shorter than one tile (a TMA box must fit in its array) or when
-    their length is not a multiple of 8 (the rows of a swizzled TMA tile: Mosaic GPU refuses
-    such an array when lowering), to the next multiple of 8; the small per-row arrays (lse,
-    delta, segment ids) are padded to whole tiles.
-
-    Head dims the kernels lack (80, 160, ...) are zero-padded to the kernels' head dims, in the
-    same copy as any row padding: zero columns of q and k add nothing to q k^T (the scale is the
-    caller's, from the real H), zero columns of v give zero columns of out that are sliced off,
-    and the gradients' padded columns are dropped. It costs the padded FLOPs (H 80 runs as 96).
-    v's head dim is padded on its own (MLA's 192/128 runs as it is).
-
-    Real positions keep their indices, so the causal / window band is that of the real call
-    (`_Band.forward` takes S - T from the real lengths). No real query sees a key past S: the
-    band already stops at key S - 1 under causal masking (right = 0), and otherwise `_Band.cols`
-    masks the columns from S on (the last key block only). Rows past T are computed and dropped;
-    in the backward their dO is 0 and lse -inf, so they add nothing to dk, dv. Segment ids are
-    padded with their last value (the reach of each tile stays tight, `segment_ranges`)."""
-
-    T: int
-    S: int
-    H: int
-    Hv: int
-
-    @classmethod
-    def of(cls, q, k, v) -> "_Tails":
-        return cls(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
-
-    @property
-    def T_padded(self) -> int:
-        return -(-self.T // CTA) * CTA
-
-    @property
-    def S_padded(self) -> int:
-        return -(-self.S // CTA) * CTA
-
-    @property
-    def head_dim(self) -> int:
-        """The kernels' q/k head dim."""
-        return _kernel_head_dims(self.H, self.Hv)[0]
-
-    @property
-    def value_head_dim(self) -> int:
-        """The kernels' v head dim (that of out, dO and dv too)."""
-        return _kernel_head_dims(self.H, self.Hv)[1]
-
-    @staticmethod
-    def _pad(x, widths: dict[int, int], **how):
-        """x with widths[axis] entries appended along each axis (nothing copied if none)."""
-        if not any(n > 0 for n in widths.values()):
-            return x
-        return jnp.pad(x, [(0, max(widths.get(a, 0), 0)) for a in range(x.ndim)], **how)
-
-    @staticmethod
-    def _tma_length(n: int) -> int:
-        return max(CTA, -(-n // _TMA_TILE_ROWS) * _TMA_TILE_ROWS)
-
-    def _width(self, value: bool) -> int:
-        return self.value_head_dim if value else self.head_dim
-
-    def tma_rows(self, x, value: bool = False):
-        """x [B, T, N, H] (q), or [B, T, N, Hv] with `value` (out, dO), as the kernels read it."""
-        return self._pad(x, {1: self._tma_length(self.T) - self.T, 3: self._width(value) - x.shape[3]})
-
-    def tma_cols(self, x, value: bool = False):
-        """x [B, S, K, H] (k), or [B, S, K, Hv] with `value` (v), as the kernels read it."""
-        return self._pad(x, {1: self._tma_length(self.S) - self.S, 3: self._width(value) - x.shape[3]})
-
-    def real_rows(self, x, head_dim: int):
-        """The real part [:, :T, :, :head_dim] of a kernel result [B, T, N, ...] (out, dq)."""
-        return x[:, :self.T, :, :head_dim]
-
-    def real_cols(self, x, head_dim: int):
-        """The real part [:, :S, :, :head_dim] of a kernel result [B, S, K, ...] (dk, dv)."""
-        return x[:, :self.S, :, :head_dim]
-
-    def row_stats(self, x, value=0.0):
-        """x [B, N, T] (f32 per-row statistics), padded to whole tiles with `value`."""
-        return self._pad(x, {2: self.T_padded - self.T}, constant_values=value)
-
-    def ids(self, q_segment_ids, kv_segment_ids):
-        """Segment ids padded to whole tiles (int32), or (None, None)."""
-        if q_segment_ids is None:
-            return None, None
-        edge = lambda ids, n: self._pad(ids.astype(jnp.int32), {1: n}, mode="edge")
-        return edge(q_segment_ids, self.T_padded - self.T), edge(kv_segment_ids, self.S_padded - self.S)
-
-
 def _kernel_head_dims(H: int, Hv: int) -> tuple[int, int] | None:
     """The kernels' (q/k, v) head dims for a call's H and Hv (None past 256): each the smallest of
     `_HEAD_DIMS` that holds it. v's may be narrower than q/k's (MLA's 192 / 128 computes P V, dO V^T
@@ -472,20 +227,27 @@ def _kernel_head_dims(H: int, Hv: int) -> tuple[int, int] | None:
     return dims
 
 
+def _tails(q, k, v) -> Tails:
+    return Tails.of(q, k, v, _kernel_head_dims(q.shape[3], v.shape[3]))
+
+
+# ----------------------------------------------------------------------------- forward
+
+
 def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec):
     del bias, mask, dropout_seed  # refused by _supports
-    tails = _Tails.of(q, k, v)
+    tails = _tails(q, k, v)
     out, lse = _flash_forward(tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v, value=True),
                               *tails.ids(q_segment_ids, kv_segment_ids), spec, tails)
     return tails.real_rows(out, tails.Hv), lse[:, :, :tails.T]
 
 
-def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
+def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     """(out [B, Tq, N, Hv] for q [B, Tq, N, H] and v [B, Sk, K, Hv], lse [B, N, T] over whole
-    tiles, `_Tails`)."""
+    tiles, `Tails`)."""
     B, _, N, H = q.shape
     K, Hv = k.shape[2], v.shape[3]
-    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
+    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`Tails`)
     G, dt = N // K, q.dtype
     bkv = 128 if H <= 128 else 64
     item = jnp.dtype(dt).itemsize
@@ -497,13 +259,13 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
     separate_out = _SMEM_BUDGET - q_bytes - out_bytes >= 2 * per_stage
     assert separate_out or Hv == H, "an output narrower than Q needs its own buffer (`_kernel_head_dims`)"
     stages = _stages(per_stage, q_bytes + (out_bytes if separate_out else 0))
-    band = _Band.forward(spec, tails)
+    band = Band.forward(spec, tails)
     interpret = interpret_enabled()
     overlap = H in _OVERLAP_HEAD_DIMS
     q_tiles = T // CTA
 
-    def tile_at(t, reach=None) -> _Tile:
-        tl = _Tile.of(t, (N, q_tiles, B), band, bkv, S, last_first=True, reach=reach)
+    def tile_at(t, reach=None) -> Tile:
+        tl = Tile.of(t, (N, q_tiles, B), band, bkv, S, last_first=True, reach=reach)
         if overlap:
             # The overlapped schedule peels the first block: a tile whose rows see no key (causal
             # with T > S, windows) still visits one block, fully masked (zero output, lse -inf).
@@ -522,7 +284,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         # Segment ids of the key block in ring slot `slot` (WGMMA column layout), for masked steps:
         # read before the slot is released.
-        col_ids_at = lambda slot, masked: _segment_ids(col_ids_smem, slot, 0) if masked else None
+        col_ids_at = lambda slot, masked: segment_ids(col_ids_smem, slot, 0) if masked else None
         # K/V ring uses are numbered across this CTA's tiles: key block j of a tile is use
         # g = base + j - lo (`Schedule.run`).
         k_ring = SlotFree(k_free, stages, FIRST_NAMED_BARRIER, not interpret)
@@ -535,7 +297,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
             ids: (row, column) segment ids, or (None, None)."""
             s, c = _scores(s, spec)
             if masked:
-                s = jnp.where(_allowed(band, rows, j * bkv, s.shape, *ids), s, -jnp.inf)
+                s = jnp.where(allowed(band, rows, j * bkv, s.shape, *ids), s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
             m_use = m_new
             if masked:  # a row may have seen no key yet: keep exp2 away from -inf - -inf
@@ -571,7 +333,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
                 return acc, m, l
 
             carry = (zeros((ROWS, Hv)), m, l)
-            acc, m, l = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
+            acc, m, l = three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
             pl.when(wg == 0)(sched.handover)  # WG 1's last turn
             q_free()
             return acc, m, l
@@ -612,7 +374,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
 
             first = tl.lo + 1  # block lo was the prologue
             mid_lo = jnp.maximum(tl.full_lo, first)
-            acc, m, l, p16 = _three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, step,
+            acc, m, l, p16 = three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, step,
                                           (zeros((ROWS, Hv)), m, l, p.astype(dt)), band, segmented)
             q_free()  # every Q K^T of this tile is done
             g = base + tl.steps - 1
@@ -651,7 +413,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
                 if schedule.table is not None:
                     sched.realign()
                 plgpu.barrier_wait(q_bar.at[wg])
-                row_ids = _segment_ids(row_ids_smem, wg, 1)
+                row_ids = segment_ids(row_ids_smem, wg, 1)
                 loop = overlapped if overlap else sequential
                 acc, m, l = loop(tl, base, total, rows, row_ids, q_s, mma, full_rows(ROWS, -jnp.inf, 1),
                                  full_rows(ROWS, 0.0, 1), prefetch if separate_out else lambda: None)
@@ -717,14 +479,14 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: _Tails):
     ]
     out_type = (jax.ShapeDtypeStruct(q.shape[:3] + (Hv,), dt), jax.ShapeDtypeStruct((B, N, T), F32))
     out, lse = launch("attention_fwd", kernel, scratch, bars, out_type, schedule, interpret)(
-        q, k, v, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
+        q, k, v, schedule.input(), *segment_inputs(q_segment_ids, kv_segment_ids))
     return out, lse
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _Tails,
+def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: Tails,
          parts: tuple[str, ...] = ("dk", "dv"), bq: int = 64):
     """The `parts` of (dk [B, S, K, H], dv [B, S, K, Hv]): one CTA per 128 keys of one (b, kv
     head), the accumulators in registers, query blocks of `bq` rows streamed.
@@ -740,7 +502,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     """
     B, _, N, H = q.shape
     K, Hv = k.shape[2], v.shape[3]
-    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
+    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`Tails`)
     G, dt = N // K, q.dtype
     want_dk, want_dv = "dk" in parts, "dv" in parts
     item = jnp.dtype(dt).itemsize
@@ -752,12 +514,12 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     widths = {"dk": H, "dv": Hv}
     row_terms = (2 if want_dk else 1) + (1 if segmented else 0)
     stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4, CTA * (H + (Hv if v_tile else 0)) * item)
-    band = _Band.keys_by_query(spec, tails)
+    band = Band.keys_by_query(spec, tails)
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
 
-    def tile_at(t, reach=None) -> _Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
-        return _Tile.of(t, (K, S // CTA, B), band, bq, T, last_first=False, reach=reach)
+    def tile_at(t, reach=None) -> Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
+        return Tile.of(t, (K, S // CTA, B), band, bq, T, last_first=False, reach=reach)
 
     # A left window: every tile is long and persistent measured slower (see _PERSISTENT_DKV_HEAD_DIMS).
     windowed = spec.window_left is not None
@@ -796,7 +558,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                 if segmented:
                     plgpu.copy_gmem_to_smem(row_ids_ref.at[gk[:2]], row_ids_smem.at[wg], kv_bar.at[wg])
                 plgpu.barrier_wait(kv_bar.at[wg])
-                row_ids = _segment_ids(row_ids_smem, wg, 1)
+                row_ids = segment_ids(row_ids_smem, wg, 1)
 
                 def head(g, carry):
                     def step(j, carry, masked):
@@ -813,8 +575,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                         lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                         pt = _exp2(st, c, bcast(lse, st.shape, 1))
                         if masked:
-                            col_ids = _segment_ids(col_ids_smem, slot, 0)
-                            pt = jnp.where(_allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
+                            col_ids = segment_ids(col_ids_smem, slot, 0)
+                            pt = jnp.where(allowed(band, keys, j * bq, st.shape, row_ids, col_ids), pt, 0.0)
                         if not want_dk:
                             acc["dv"] = mma(pt.astype(dt), do_smem.at[slot], (ROWS, Hv), acc=acc["dv"], a_in_regs=True)
                         elif not fresh_pair:
@@ -832,7 +594,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
                         ring.release(slot, i, total)
                         return tuple(acc[name] for name in parts)
 
-                    return _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
+                    return three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
 
                 accs = lax.fori_loop(0, G, head, tuple(zeros((ROWS, widths[name])) for name in parts))
                 # The results go out through the K/V buffers (every wgmma reading them is done).
@@ -892,10 +654,10 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: _
     out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts)
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
     return launch(name, kernel, scratch, bars, out_type, schedule, interpret)(
-        q, k, v, do, lse2, delta, schedule.input(), *_segment_inputs(kv_segment_ids, q_segment_ids))
+        q, k, v, do, lse2, delta, schedule.input(), *segment_inputs(kv_segment_ids, q_segment_ids))
 
 
-def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: _Tails, *,
+def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: Tails, *,
         fused_delta: bool):
     """dq [B, T, N, H] (v, dO, O [.., Hv]): one CTA per 128 query rows of one (b, n), key blocks of
     `_dq_block_kv` streamed.
@@ -907,7 +669,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     row_term is delta itself and `out` is not read (see `_DELTA_IN_DQ_KERNEL`)."""
     B, _, N, H = q.shape
     K, Hv = k.shape[2], v.shape[3]
-    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`_Tails`)
+    T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`Tails`)
     G, dt = N // K, q.dtype
     bkv = _dq_block_kv(H)
     assert (bkv >= CTA and Hv == H) or not fused_delta, "the O rows of a tile go through one K ring slot"
@@ -915,9 +677,9 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     segmented = q_segment_ids is not None
     assert not (segmented and fused_delta), "the O rows' ring use has no segment ids copy"
     stages = _stages(bkv * (H + Hv) * item + (4 * bkv if segmented else 0), CTA * (H + Hv) * item)
-    band = _Band.forward(spec, tails)
+    band = Band.forward(spec, tails)
     interpret = interpret_enabled()
-    tile_at = lambda t, reach=None: _Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
+    tile_at = lambda t, reach=None: Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
     first = 1 if fused_delta else 0  # ring uses before the key blocks
     schedule = _schedule(lambda t: tile_at(t).steps + first, (N, T // CTA, B), H, segmented, interpret,
                          persistent_dims=_PERSISTENT_DQ_HEAD_DIMS)
@@ -955,7 +717,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
                 plgpu.barrier_wait(q_bar.at[wg])
                 lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                 dl = plgpu.load(row_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-                row_ids = _segment_ids(row_ids_smem, wg, 1)
+                row_ids = segment_ids(row_ids_smem, wg, 1)
                 if fused_delta:
                     # Ring use `base`: this tile's O rows, WG w's at rows [64 w, 64 w + 64) of the K slot.
                     o_slot = lax.rem(base, i32(stages))
@@ -975,8 +737,8 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
                     s, c = _scores(mma(q_s, k_smem.at[slot].transpose((1, 0)), (ROWS, bkv)), spec)
                     p = _exp2(s, c, bcast(lse, s.shape, 0))
                     if masked:
-                        col_ids = _segment_ids(col_ids_smem, slot, 0)
-                        p = jnp.where(_allowed(band, rows, j * bkv, s.shape, row_ids, col_ids), p, 0.0)
+                        col_ids = segment_ids(col_ids_smem, slot, 0)
+                        p = jnp.where(allowed(band, rows, j * bkv, s.shape, row_ids, col_ids), p, 0.0)
                     dp = mma(do_s, v_smem.at[slot].transpose((1, 0)), (ROWS, bkv))
                     ds = p * (dp - bcast(dl, s.shape, 0))
                     if spec.logit_soft_cap is not None:
@@ -985,7 +747,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
                     ring.release(slot, i, total)
                     return dq
 
-                dq = _three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, zeros((ROWS, H)), band, segmented)
+                dq = three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, zeros((ROWS, H)), band, segmented)
                 q_s[...] = (dq * spec.scale).astype(dt)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_s, dq_ref.at[gq])
@@ -1041,16 +803,16 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
     out_type = (jax.ShapeDtypeStruct(q.shape, dt),) + (
         (jax.ShapeDtypeStruct((B, N, T), F32),) if fused_delta else ())
     return launch("attention_dq", kernel, scratch, bars, out_type, schedule, interpret)(
-        q, k, v, do, out, lse2, row_term, schedule.input(), *_segment_inputs(q_segment_ids, kv_segment_ids))
+        q, k, v, do, out, lse2, row_term, schedule.input(), *segment_inputs(q_segment_ids, kv_segment_ids))
 
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
     del bias, mask, dropout_seed  # refused by _supports
-    tails = _Tails.of(q, k, v)
+    tails = _tails(q, k, v)
     H, dt = tails.head_dim, q.dtype
     dlse = jnp.broadcast_to(dlse, lse.shape).astype(F32)
     # log2-domain lse; an empty row (lse = -inf) gets +inf so that exp2(s - lse) = 0; so do the
-    # rows past T (`_Tails`), whose dO is 0.
+    # rows past T (`Tails`), whose dO is 0.
     lse2 = tails.row_stats(jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf), jnp.inf)
     q, k, v = tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v, value=True)
     out, dout = tails.tma_rows(out.astype(dt), value=True), tails.tma_rows(dout.astype(dt), value=True)

@@ -1,0 +1,254 @@
+"""Which column blocks a pallas_gpu attention tile visits and which positions it masks, and how
+calls whose lengths or head dims are not the kernels' run over whole tiles: the block ranges,
+masks and padding that the forward, dQ and dK/dV kernels of kernels/pallas/gpu/attention.py
+share (a tile is 128 rows of one (batch, head): queries, or keys in the dK/dV kernel; its
+columns are the looped axis)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from forgeax.kernels.common.attention import AttentionSpec, segment_ranges
+from forgeax.kernels.pallas.gpu.warpgroups import CTA, bcast, i32, unravel
+
+
+def within_reach(lo, full_lo, full_hi, hi, col_lo, col_hi, uniform, blk: int):
+    """Narrows a tile's column blocks (lo, full_lo, full_hi, hi) to the columns [col_lo, col_hi)
+    its segment ids may reach (`segment_ranges`). The unmasked blocks keep only those inside one
+    segment every row shares (uniform), none otherwise: the masked steps compare segment ids."""
+    div = lambda x: lax.div(x, i32(blk))
+    lo = jnp.maximum(lo, div(col_lo))
+    hi = jnp.maximum(jnp.minimum(hi, div(col_hi + blk - 1)), lo)
+    full_lo = jnp.where(uniform != 0, jnp.maximum(full_lo, div(col_lo + blk - 1)), hi)
+    full_hi = jnp.where(uniform != 0, jnp.minimum(full_hi, div(col_hi)), hi)
+    full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
+    full_hi = jnp.minimum(jnp.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+def segment_inputs(row_ids, col_ids) -> tuple:
+    """A kernel's segment inputs: row ids [B, R], column ids [B, C] (int32) and the reach of each
+    128-row tile (`segment_ranges`); 1-element placeholders without segment ids."""
+    if row_ids is None:
+        return jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1, 3), jnp.int32)
+    row_ids, col_ids = row_ids.astype(jnp.int32), col_ids.astype(jnp.int32)
+    return row_ids, col_ids, segment_ranges(row_ids, col_ids, CTA)
+
+
+def segment_ids(buf, index, axis: int):
+    """Segment ids staged in SMEM buf[index], loaded in WGMMA row (axis 1) or column (axis 0)
+    layout; None when the call has none (buf is then None)."""
+    return None if buf is None else plgpu.load(buf.at[index], layout=plgpu.Layout.WGMMA.reduce(axis))
+
+
+def allowed(band: Band, x0, y0, shape, row_ids=None, col_ids=None):
+    """Position rule AND same segment over a (rows, cols) WGMMA tile at (x0, y0), or None if
+    neither applies; row_ids / col_ids: the tile's segment ids in WGMMA row / column layout."""
+    ok = band.mask(x0, y0, shape)
+    if row_ids is None:
+        return ok
+    same = bcast(row_ids, shape, 0) == bcast(col_ids, shape, 1)
+    return same if ok is None else ok & same
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """Row x (this CTA's axis) sees column y (the looped axis) iff a <= y - x <= b (None =
+    unbounded) and y < cols (None: every column exists; else the columns from cols on are padding
+    that a real row could otherwise reach, see `Tails`)."""
+
+    a: int | None
+    b: int | None
+    cols: int | None = None
+
+    @staticmethod
+    def forward(spec: AttentionSpec, tails: "Tails") -> "Band":
+        T, S = tails.T, tails.S
+        off = S - T  # rows are queries, columns keys: s - t in [off - left, off + right]
+        # The last real query reaches key S - 1 + right: padded keys only with right > 0 or none.
+        reaches_padding = tails.S_padded > S and (spec.right is None or spec.right > 0)
+        return Band(None if spec.window_left is None else off - spec.window_left,
+                     None if spec.right is None else off + spec.right,
+                     S if reaches_padding else None)
+
+    @staticmethod
+    def keys_by_query(spec: AttentionSpec, tails: "Tails") -> "Band":
+        # Padded queries may stay in: their dO is 0 and lse -inf, so they add exactly 0 (`Tails`).
+        off = tails.S - tails.T  # rows are keys, columns queries: t - s in [-off - right, -off + left]
+        return Band(None if spec.right is None else -off - spec.right,
+                     None if spec.window_left is None else -off + spec.window_left)
+
+    @property
+    def masks(self) -> bool:
+        return self.a is not None or self.b is not None or self.cols is not None
+
+    def blocks(self, r0, rows: int, blk: int, length: int):
+        """(lo, full_lo, full_hi, hi): column blocks [lo, hi) are visible to rows [r0, r0+rows);
+        those in [full_lo, full_hi) are visible to every row (no mask needed)."""
+        limit = length if self.cols is None else self.cols  # the columns that exist
+        clip = lambda x: jnp.minimum(jnp.maximum(x, 0), limit)
+        div = lambda x: lax.div(x, i32(blk))
+        lo = i32(0) if self.a is None else div(clip(r0 + self.a))
+        hi = i32(-(-limit // blk)) if self.b is None else div(clip(r0 + rows + self.b) + blk - 1)
+        hi = jnp.maximum(hi, lo)
+        full_edge = i32(limit) if self.b is None else clip(r0 + self.b + 1)  # columns below it: every row
+        full_hi = jnp.minimum(jnp.maximum(div(full_edge), lo), hi)
+        full_lo = lo if self.a is None else div(clip(r0 + rows - 1 + self.a) + blk - 1)
+        full_lo = jnp.minimum(jnp.maximum(full_lo, lo), full_hi)
+        return lo, full_lo, full_hi, hi
+
+    def mask(self, x0, y0, shape):
+        """Allowed (x, y) over a (rows, cols) register tile starting at (x0, y0), WGMMA layout."""
+        x = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        y = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        d = (y - x) + (y0 - x0)
+        rules = []
+        if self.a is not None:
+            rules.append(d >= self.a)
+        if self.b is not None:
+            rules.append(d <= self.b)
+        if self.cols is not None:
+            rules.append(y < self.cols - y0)
+        return functools.reduce(jnp.logical_and, rules) if rules else None
+
+
+def three_loops(lo, full_lo, full_hi, hi, step, carry, band: Band, segmented: bool = False):
+    """step(j, carry, masked) over [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
+    if not band.masks and not segmented:  # no mask at all: every block is full
+        return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One work item: 128 rows [r0, r0 + 128) (queries; keys in the dK/dV kernel) of head n of
+    batch b, and the column blocks [lo, hi) it visits (`Band.blocks`)."""
+
+    b: jax.Array
+    n: jax.Array
+    r0: jax.Array
+    lo: jax.Array
+    full_lo: jax.Array
+    full_hi: jax.Array
+    hi: jax.Array
+
+    @classmethod
+    def of(cls, t, dims: tuple[int, int, int], band: Band, blk: int, length: int, last_first: bool,
+           reach=None) -> "Tile":
+        """Tile t, an id over dims = (heads, row tiles, batch) with heads fastest, or those three
+        indices. Under causal masking the longest tiles come first, so the tail of a schedule is
+        made of short ones (measured on the forward: shortest first is 1.6x slower): the last
+        query tiles (`last_first`), the first key tiles otherwise. reach: with segment ids, the
+        [B, row tiles, 3] ref of `segment_ranges` that narrows the blocks (`within_reach`)."""
+        n, i, b = t if isinstance(t, tuple) else unravel(t, dims)
+        row_tile = (dims[1] - 1 - i) if last_first else i
+        r0 = row_tile * CTA
+        blocks = band.blocks(r0, CTA, blk, length)
+        if reach is not None:
+            blocks = within_reach(*blocks, *(reach[b, row_tile, f] for f in range(3)), blk)
+        return cls(b, n, r0, *blocks)
+
+    @property
+    def steps(self):
+        return self.hi - self.lo
+
+
+TMA_TILE_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Tails:
+    """A call's real lengths T, S and head dims H, Hv; the whole tiles (multiples of 128) the
+    kernels run over, and the head dims they compute with (`head_dim`, `value_head_dim`: the
+    kernels' choice, `_kernel_head_dims` in attention.py).
+
+    Lengths that are not multiples of 128 are not copied into padded arrays: the kernels read q, k,
+    v, dO, O in place and write out, dq, dk, dv in place, and TMA fills the rows of a box past the
+    array's end with zeros on loads and drops them on stores (so does the interpreter). Those
+    arrays are padded only when shorter than one tile (a TMA box must fit in its array) or when
+    their length is not a multiple of 8 (the rows of a swizzled TMA tile: Mosaic GPU refuses
+    such an array when lowering), to the next multiple of 8; the small per-row arrays (lse,
+    delta, segment ids) are padded to whole tiles.
+
+    Head dims the kernels lack (80, 160, ...) are zero-padded to the kernels' head dims, in the
+    same copy as any row padding: zero columns of q and k add nothing to q k^T (the scale is the
+    caller's, from the real H), zero columns of v give zero columns of out that are sliced off,
+    and the gradients' padded columns are dropped. It costs the padded FLOPs (H 80 runs as 96).
+    v's head dim is padded on its own (MLA's 192/128 runs as it is).
+
+    Real positions keep their indices, so the causal / window band is that of the real call
+    (`Band.forward` takes S - T from the real lengths). No real query sees a key past S: the
+    band already stops at key S - 1 under causal masking (right = 0), and otherwise `Band.cols`
+    masks the columns from S on (the last key block only). Rows past T are computed and dropped;
+    in the backward their dO is 0 and lse -inf, so they add nothing to dk, dv. Segment ids are
+    padded with their last value (the reach of each tile stays tight, `segment_ranges`)."""
+
+    T: int
+    S: int
+    H: int
+    Hv: int
+    head_dim: int  # the kernels' q/k head dim
+    value_head_dim: int  # the kernels' v head dim (that of out, dO and dv too)
+
+    @classmethod
+    def of(cls, q, k, v, head_dims: tuple[int, int]) -> "Tails":
+        """The tails of q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] run at kernel head dims
+        head_dims (q/k's, v's)."""
+        return cls(q.shape[1], k.shape[1], q.shape[3], v.shape[3], *head_dims)
+
+    @property
+    def T_padded(self) -> int:
+        return -(-self.T // CTA) * CTA
+
+    @property
+    def S_padded(self) -> int:
+        return -(-self.S // CTA) * CTA
+
+    @staticmethod
+    def _pad(x, widths: dict[int, int], **how):
+        """x with widths[axis] entries appended along each axis (nothing copied if none)."""
+        if not any(n > 0 for n in widths.values()):
+            return x
+        return jnp.pad(x, [(0, max(widths.get(a, 0), 0)) for a in range(x.ndim)], **how)
+
+    @staticmethod
+    def _tma_length(n: int) -> int:
+        return max(CTA, -(-n // TMA_TILE_ROWS) * TMA_TILE_ROWS)
+
+    def _width(self, value: bool) -> int:
+        return self.value_head_dim if value else self.head_dim
+
+    def tma_rows(self, x, value: bool = False):
+        """x [B, T, N, H] (q), or [B, T, N, Hv] with `value` (out, dO), as the kernels read it."""
+        return self._pad(x, {1: self._tma_length(self.T) - self.T, 3: self._width(value) - x.shape[3]})
+
+    def tma_cols(self, x, value: bool = False):
+        """x [B, S, K, H] (k), or [B, S, K, Hv] with `value` (v), as the kernels read it."""
+        return self._pad(x, {1: self._tma_length(self.S) - self.S, 3: self._width(value) - x.shape[3]})
+
+    def real_rows(self, x, head_dim: int):
+        """The real part [:, :T, :, :head_dim] of a kernel result [B, T, N, ...] (out, dq)."""
+        return x[:, :self.T, :, :head_dim]
+
+    def real_cols(self, x, head_dim: int):
+        """The real part [:, :S, :, :head_dim] of a kernel result [B, S, K, ...] (dk, dv)."""
+        return x[:, :self.S, :, :head_dim]
+
+    def row_stats(self, x, value=0.0):
+        """x [B, N, T] (f32 per-row statistics), padded to whole tiles with `value`."""
+        return self._pad(x, {2: self.T_padded - self.T}, constant_values=value)
+
+    def ids(self, q_segment_ids, kv_segment_ids):
+        """Segment ids padded to whole tiles (int32), or (None, None)."""
+        if q_segment_ids is None:
+            return None, None
+        edge = lambda ids, n: self._pad(ids.astype(jnp.int32), {1: n}, mode="edge")
+        return edge(q_segment_ids, self.T_padded - self.T), edge(kv_segment_ids, self.S_padded - self.S)
