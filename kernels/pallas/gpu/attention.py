@@ -86,8 +86,8 @@ from forgeax.kernels.pallas.gpu.attention_tiles import (
     Band, Tails, Tile, allowed, segment_ids, segment_inputs, three_loops,
 )
 from forgeax.kernels.pallas.gpu.warpgroups import (
-    CTA, F32, FIRST_NAMED_BARRIER, REGS, ROWS, WGS, Mma, PingPong, Schedule, SlotFree, bcast, full_rows, i32, launch,
-    transforms, zeros,
+    CTA, F32, FIRST_NAMED_BARRIER, ROWS, WGS, Mma, PingPong, Schedule, SlotFree, bcast, full_rows, i32, launch,
+    transforms, warp_specialized, zeros,
 )
 from forgeax.ops.interface import Implementation, interpret_enabled
 
@@ -387,9 +387,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             v_ring.release(last, g, total)
             return acc, m, l
 
-        @pl.when(wg < WGS)
-        def _consumer():
-            plgpu.set_max_registers(REGS[0], action="increase")
+        def consumer():
             q_s = q_smem.at[wg]
             o_s = o_smem.at[wg] if separate_out else q_s
             mma = Mma(interpret, None if stage is None else stage.at[wg])
@@ -431,13 +429,9 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
                     prefetch()
                 return base + tl.steps
 
-            schedule.run(table_ref, one_tile)
-            plgpu.wait_smem_to_gmem(0)
+            return one_tile
 
-        @pl.when(wg == WGS)
-        def _producer():
-            plgpu.set_max_registers(REGS[1], action="decrease")
-
+        def producer():
             def one_tile(kk, t, base):
                 tl = tile(t)
                 kh = lax.div(tl.n, i32(G))
@@ -457,7 +451,9 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
                 lax.fori_loop(0, tl.steps, load, None)
                 return base + tl.steps
 
-            schedule.run(table_ref, one_tile)
+            return one_tile
+
+        warp_specialized(wg, schedule, table_ref, consumer, producer)
 
     tr = _block_transforms(dt, H, Hv)
 
@@ -537,9 +533,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         steps_of = lambda t: G * tile(t).steps  # ring uses: every query head of the group
 
-        @pl.when(wg < WGS)
-        def _consumer():
-            plgpu.set_max_registers(REGS[0], action="increase")
+        def consumer():
             total = schedule.total(table_ref, steps_of)
             ring.prime(total)
             k_s = k_smem.at[wg]
@@ -606,13 +600,9 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                     plgpu.copy_smem_to_gmem(buf, out_refs[name].at[gk])
                 return base + G * per_head
 
-            schedule.run(table_ref, one_tile)
-            plgpu.wait_smem_to_gmem(0)
+            return one_tile
 
-        @pl.when(wg == WGS)
-        def _producer():
-            plgpu.set_max_registers(REGS[1], action="decrease")
-
+        def producer():
             def one_tile(kk, t, base):
                 tl = tile(t)
                 per_head = jnp.maximum(tl.steps, 1)
@@ -635,7 +625,9 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                 lax.fori_loop(0, G * tl.steps, load, None)
                 return base + G * tl.steps
 
-            schedule.run(table_ref, one_tile)
+            return one_tile
+
+        warp_specialized(wg, schedule, table_ref, consumer, producer)
 
     tr = _block_transforms(dt, bq, H, Hv)  # one swizzle for every wgmma operand
 
@@ -694,9 +686,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         steps_of = lambda t: tile(t).steps + first
 
-        @pl.when(wg < WGS)
-        def _consumer():
-            plgpu.set_max_registers(REGS[0], action="increase")
+        def consumer():
             total = schedule.total(table_ref, steps_of)
             ring.prime(total)
             q_s, do_s = q_smem.at[wg], do_smem.at[wg]
@@ -753,13 +743,9 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
                 plgpu.copy_smem_to_gmem(q_s, dq_ref.at[gq])
                 return base + first + tl.steps
 
-            schedule.run(table_ref, one_tile)
-            plgpu.wait_smem_to_gmem(0)
+            return one_tile
 
-        @pl.when(wg == WGS)
-        def _producer():
-            plgpu.set_max_registers(REGS[1], action="decrease")
-
+        def producer():
             def one_tile(kk, t, base):
                 tl = tile(t)
                 kh = lax.div(tl.n, i32(G))
@@ -784,7 +770,9 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
                 lax.fori_loop(0, tl.steps, load, None)
                 return base + first + tl.steps
 
-            schedule.run(table_ref, one_tile)
+            return one_tile
+
+        warp_specialized(wg, schedule, table_ref, consumer, producer)
 
     tr = _block_transforms(dt, bkv, H, Hv)  # one swizzle for every wgmma operand
 

@@ -334,6 +334,25 @@ class Mma:
         return pl.run_state(body)((plgpu.ACC.init(acc2), init))
 
 
+def warp_specialized(wg, schedule: Schedule, table_ref, consumer, producer):
+    """A kernel's two roles over the CTA's tiles (`Schedule.run`): the `WGS` consumer warpgroups
+    take `REGS[0]` registers, run consumer()'s tile body and wait for their last TMA stores; the
+    producer warpgroup gives registers back down to `REGS[1]` and runs producer()'s. consumer and
+    producer are called inside their role, so the set-up code they run before returning their
+    tile body is traced there."""
+
+    @pl.when(wg < WGS)
+    def _consumer():
+        plgpu.set_max_registers(REGS[0], action="increase")
+        schedule.run(table_ref, consumer())
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == WGS)
+    def _producer():
+        plgpu.set_max_registers(REGS[1], action="decrease")
+        schedule.run(table_ref, producer())
+
+
 def zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, F32), plgpu.Layout.WGMMA)
 
