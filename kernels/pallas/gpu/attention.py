@@ -119,6 +119,8 @@ _PERSISTENT_SEGMENTED_MIN_HEADS = 32
 # where delta comes from XLA (H > 128): computing delta in it spilled and lost.
 _PERSISTENT_DKV_HEAD_DIMS = (64, 96, 128, 192, 256)
 _PERSISTENT_DQ_HEAD_DIMS = (192, 256)
+# q/k head dims (> 128) whose separate dk launch streams 64-query blocks instead of 32.
+_DK_QUERY_BLOCK_64_HEAD_DIMS = ()
 # Keys per dQ step (at least 128: a tile's O rows go through one K slot); 128 beat 64 on every shape.
 _DQ_BLOCK_KV = 128
 
@@ -817,7 +819,8 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     if H <= 128:
         dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
     else:  # one accumulator per launch (`_dkv`)
-        (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",), bq=32)
+        (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",),
+                     bq=64 if H in _DK_QUERY_BLOCK_64_HEAD_DIMS else 32)
         (dv,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dv",), bq=64)
     return tails.real_rows(dq, tails.H), tails.real_cols(dk, tails.H), tails.real_cols(dv, tails.Hv), None
 
