@@ -68,7 +68,9 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     and 3.942 against 4.389 in benchmarks/tune_attention.py's on another H200
     (results/attention_H200_2026-11-26_head_dim_192.json); on a third, fwd+bwd 4.057 against
     4.346 (1.07x) with the forward at 0.97x (0.790 against 0.763,
-    results/attention_H200_2026-11-26_new_head_dims_persistence.json): even at worst. At 64 its
+    results/attention_H200_2026-11-26_new_head_dims_persistence.json): even at worst. Since its
+    backward streams 64-wide blocks at 192, fwd+bwd 3.326 against 4.475 (1.35x; fwd 0.735 against
+    0.728) in tools/bench.py's rounds (results/attention_H200_2026-11-26_h192_blocks_bench.json). At 64 its
     fwd+bwd measured (causal B4 T4096 N32, against cuDNN's): 1.09x in tools/bench.py's alternating
     rounds on an H100 (2.459 against 2.689 ms, results/attention_H100_2026-11-25_persistent_bwd.json) and 1.06x on an H200 (2.502 against
     2.648, results/attention_H200_2026-11-25_final.json); CUPTI kernels 2.408 against 2.467 ms

@@ -53,11 +53,13 @@ window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
         pT = exp2(s^T - lse);  dv += pT dO;  dpT = v dO^T;  dsT = pT (dpT - delta);  dk += dsT q
     dk, dv stay in registers for the whole loop (deterministic; GQA groups summed in-kernel).
   * H = 192 and 256 (every kernel takes the H > 128 paths: 64-key forward blocks, two dK/dV
-    launches, 32-key dQ blocks): dk + dv would need 192-256 accumulator registers per thread, so
-    dk and dv take a launch each of the dK/dV kernel (dk with 32-query blocks, as it also needs V; dv with 64),
-    and the dQ kernel streams 32-key blocks beside its 128 KB of Q and dO (delta from XLA): 8
-    matmuls per block instead of 7, in 1.98 ms against 4.82 for Triton's fused backward, which
-    ran this head size before (B2 T4096 N16 causal, H200; with a soft cap 2.14 against 5.29).
+    launches, dQ blocks of 64 keys at 192 and 32 at 256): dk + dv would need 192-256
+    accumulator registers per thread, so dk and dv take a launch each of the dK/dV kernel (dk,
+    which also needs V, with 64-query blocks at 192 and 32 at 256; dv with 64), and the dQ
+    kernel streams its key blocks beside its 80-128 KB of Q and dO (delta from XLA): 8 matmuls
+    per block instead of 7. At 256 the backward took 1.98 ms against 4.82 for Triton's fused
+    backward, which ran this head size before (B2 T4096 N16 causal, H200; with a soft cap 2.14
+    against 5.29).
   * dq is not fused into the dK/dV kernel: FA3-style one-pass variants (f32 dq accumulated by
     TMA reduce-adds) measured slower on an H200, three times (see `_dkv`).
 
@@ -119,16 +121,22 @@ _PERSISTENT_SEGMENTED_MIN_HEADS = 32
 # where delta comes from XLA (H > 128): computing delta in it spilled and lost.
 _PERSISTENT_DKV_HEAD_DIMS = (64, 96, 128, 192, 256)
 _PERSISTENT_DQ_HEAD_DIMS = (192, 256)
-# q/k head dims (> 128) whose separate dk launch streams 64-query blocks instead of 32.
-_DK_QUERY_BLOCK_64_HEAD_DIMS = ()
+# q/k head dims (> 128) whose separate dk launch streams 64-query blocks instead of 32 (at 256
+# their SMEM does not fit): at 192 its kernel took 0.99 against 1.29 ms.
+_DK_QUERY_BLOCK_64_HEAD_DIMS = (192,)
 # Keys per dQ step (at least 128: a tile's O rows go through one K slot); 128 beat 64 on every shape.
 _DQ_BLOCK_KV = 128
+# q/k head dims (> 128) whose dQ kernel streams 64-key blocks instead of 32 (at 256 their SMEM
+# does not fit): at 192 its kernel took 0.89 against 1.12 ms.
+_DQ_BLOCK_KV_64_HEAD_DIMS = (192,)
 
 
 def _dq_block_kv(H: int) -> int:
-    """The dQ kernel's key block: `_DQ_BLOCK_KV`, but 32 at H > 128, where the tile's Q and dO
-    take 96-128 KB of SMEM (two 32-key stages fit beside them)."""
-    return _DQ_BLOCK_KV if H <= 128 else 32
+    """The dQ kernel's key block: `_DQ_BLOCK_KV`, but 32 or 64 at H > 128, where the tile's Q and
+    dO take 80-128 KB of SMEM (two stages of those fit beside them)."""
+    if H <= 128:
+        return _DQ_BLOCK_KV
+    return 64 if H in _DQ_BLOCK_KV_64_HEAD_DIMS else 32
 
 
 # delta = rowsum(dO * O) - dlse in the dQ kernel (faster than XLA's reduction except under a left
@@ -490,8 +498,9 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     head), the accumulators in registers, query blocks of `bq` rows streamed.
 
     At H > 128 dk and dv would take 192-256 registers per thread together, so `_backward` launches
-    this kernel once per part: dk (which needs V too, for dpT) with 32-query blocks, dv (K only)
-    with 64, each in 128 registers and about 192 KB of SMEM.
+    this kernel once per part: dk (which needs V too, for dpT) with 64-query blocks at H = 192
+    and 32 at 256 (`_DK_QUERY_BLOCK_64_HEAD_DIMS`), dv (K only) with 64, each in at most 192
+    registers and about 192 KB of SMEM.
 
     One-pass variants that also add each CTA's ds k into an f32 dq with TMA reduce-adds (5
     matmuls instead of 7, FA3-style) were built three times and measured slower on H200s
