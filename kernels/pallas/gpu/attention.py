@@ -129,6 +129,11 @@ _DQ_BLOCK_KV = 128
 # q/k head dims (> 128) whose dQ kernel streams 64-key blocks instead of 32 (at 256 their SMEM
 # does not fit): at 192 its kernel took 0.89 against 1.12 ms.
 _DQ_BLOCK_KV_64_HEAD_DIMS = (192,)
+# q/k head dims above 128 whose dK/dV kernel runs once for both dk and dv, with 32-query blocks,
+# when v's head dim is narrower (MLA's 192 / 128: dk's 96 and dv's 64 accumulator registers fit
+# beside the scores of 32 queries). MLA on an H200: 1.35-1.36 ms against 0.89-0.90 + 0.64-0.65 for
+# the two launches; with 64-query blocks 1.47; at 192 / 192 one launch lost (2.12 against 1.80).
+_ONE_DKV_LAUNCH_NARROW_V_HEAD_DIMS = (192,)
 
 
 def _dq_block_kv(H: int) -> int:
@@ -500,7 +505,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     At H > 128 dk and dv would take 192-256 registers per thread together, so `_backward` launches
     this kernel once per part: dk (which needs V too, for dpT) with 64-query blocks at H = 192
     and 32 at 256 (`_DK_QUERY_BLOCK_64_HEAD_DIMS`), dv (K only) with 64, each in at most 192
-    registers and about 192 KB of SMEM.
+    registers and about 192 KB of SMEM. Beside a narrower v (MLA's 192 / 128) both fit one launch
+    with 32-query blocks (`_ONE_DKV_LAUNCH_NARROW_V_HEAD_DIMS`).
 
     One-pass variants that also add each CTA's ds k into an f32 dq with TMA reduce-adds (5
     matmuls instead of 7, FA3-style) were built three times and measured slower on H200s
@@ -825,8 +831,8 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         delta = jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(F32), out[:, rows].astype(F32)) - dlse
         delta = tails.row_stats(delta)
         (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
-    if H <= 128:
-        dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
+    if H <= 128 or (tails.value_head_dim < H and H in _ONE_DKV_LAUNCH_NARROW_V_HEAD_DIMS):
+        dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, bq=64 if H <= 128 else 32)
     else:  # one accumulator per launch (`_dkv`)
         (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",),
                      bq=64 if H in _DK_QUERY_BLOCK_64_HEAD_DIMS else 32)
