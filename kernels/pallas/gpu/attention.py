@@ -55,7 +55,8 @@ window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
   * H = 192 and 256 (every kernel takes the H > 128 paths: 64-key forward blocks, two dK/dV
     launches, dQ blocks of 64 keys at 192 and 32 at 256): dk + dv would need 192-256
     accumulator registers per thread, so dk and dv take a launch each of the dK/dV kernel (dk,
-    which also needs V, with 64-query blocks at 192 and 32 at 256; dv with 64), and the dQ
+    which also needs V, with 64-query blocks at 192 and 32 at 256; dv with 64; beside MLA's
+    narrower v both fit one launch, `_ONE_DKV_LAUNCH_NARROW_V_HEAD_DIMS`), and the dQ
     kernel streams its key blocks beside its 80-128 KB of Q and dO (delta from XLA): 8 matmuls
     per block instead of 7. At 256 the backward took 1.98 ms against 4.82 for Triton's fused
     backward, which ran this head size before (B2 T4096 N16 causal, H200; with a soft cap 2.14
