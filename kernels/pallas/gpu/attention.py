@@ -498,10 +498,21 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
 # ----------------------------------------------------------------------------- backward
 
 
+def _dkv_query_block(H: int, parts: tuple[str, ...]) -> int:
+    """The dK/dV kernel's query block for q/k head dim H computing `parts` (see `_dkv`): 64 at
+    H <= 128; above, 32 for dk and dv in one launch (beside a narrower v), 64 or 32 for dk alone
+    (`_DK_QUERY_BLOCK_64_HEAD_DIMS`), 64 for dv alone."""
+    if H <= 128 or parts == ("dv",):
+        return 64
+    if parts == ("dk",):
+        return 64 if H in _DK_QUERY_BLOCK_64_HEAD_DIMS else 32
+    return 32
+
+
 def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: Tails,
-         parts: tuple[str, ...] = ("dk", "dv"), bq: int = 64):
+         parts: tuple[str, ...] = ("dk", "dv")):
     """The `parts` of (dk [B, S, K, H], dv [B, S, K, Hv]): one CTA per 128 keys of one (b, kv
-    head), the accumulators in registers, query blocks of `bq` rows streamed.
+    head), the accumulators in registers, query blocks of `_dkv_query_block` rows streamed.
 
     At H > 128 dk and dv would take 192-256 registers per thread together, so `_backward` launches
     this kernel once per part: dk (which needs V too, for dpT) with 64-query blocks at H = 192
@@ -518,6 +529,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     K, Hv = k.shape[2], v.shape[3]
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`Tails`)
     G, dt = N // K, q.dtype
+    bq = _dkv_query_block(H, parts)
     want_dk, want_dv = "dk" in parts, "dv" in parts
     item = jnp.dtype(dt).itemsize
     interpret = interpret_enabled()
@@ -833,11 +845,10 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
         delta = tails.row_stats(delta)
         (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
     if H <= 128 or (tails.value_head_dim < H and H in _ONE_DKV_LAUNCH_NARROW_V_HEAD_DIMS):
-        dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, bq=64 if H <= 128 else 32)
+        dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
     else:  # one accumulator per launch (`_dkv`)
-        (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",),
-                     bq=64 if H in _DK_QUERY_BLOCK_64_HEAD_DIMS else 32)
-        (dv,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dv",), bq=64)
+        (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",))
+        (dv,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dv",))
     return tails.real_rows(dq, tails.H), tails.real_cols(dk, tails.H), tails.real_cols(dv, tails.Hv), None
 
 
