@@ -89,7 +89,7 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
 
 
 def _pallas_gpu_pads_head_dims(args) -> bool:
-    """A q/k head dim pallas_gpu's kernels lack (they have 64, 96, 128, 192, 256), which it
+    """A q/k head dim pallas_gpu's kernels lack (not in `_PALLAS_GPU_HEAD_DIMS`), which it
     zero-pads to the next (`Tails` in kernels/pallas/gpu/attention_tiles.py; a v head dim that differs,
     like MLA's 128 beside 192, runs at its own, `_kernel_head_dims`). Padded, its forward measured
     slower than Triton's and its forward+backward faster (H200, bf16, causal, 96 padded to 128
