@@ -336,6 +336,35 @@ def test_pallas_gpu_backward_with_xla_delta_in_interpreter(monkeypatch):
     _check("pallas_gpu", _qkv(1, T, S, 2, 1, 64, jnp.bfloat16, seed=T + 5 * S), kwargs)
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
+@pytest.mark.parametrize("case", ["causal_gqa", "window_soft_cap_T<S", "segments"])
+def test_triton_backward_recomputing_dq_past_the_dz_tiles_budget(case, monkeypatch):
+    """With no room for the dz^T tiles (`_DQ_FROM_DS_MAX_BYTES` 0) the fused kernel's own dQ
+    programs compute dq (every other test takes the dz^T tiles at its sizes)."""
+    from forgeax.kernels.triton import attention as triton_attention
+
+    monkeypatch.setattr(triton_attention, "_DQ_FROM_DS_MAX_BYTES", 0)
+    if case == "segments":
+        T, S = 40, 130
+        kwargs = dict(causal=True, segment_ids=(_segments(1, T, 3, empty_id=1), _segments(1, S, 4)))
+    else:
+        T, S, kwargs = BACKWARD_ORDER_CASES[case]
+    # Head counts (5 over 1) no other test traces, so no cached trace of the other path is reused.
+    _check("triton", _qkv(1, T, S, 5, 1, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
+
+
+def test_triton_dz_tiles_extent_rounds_to_blocks_and_keeps_the_budget():
+    from forgeax.kernels.triton import attention as triton_attention
+
+    cfg = triton_attention.AttentionConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
+    extent = functools.partial(triton_attention.dz_tiles_extent, cfg=cfg)
+    assert extent(1, 1, 1000, 130, jnp.bfloat16) == (256, 1024)  # keys to 128s, queries to 128s
+    assert extent(4, 32, 4096, 4096, jnp.bfloat16) == (4096, 4096)  # exactly 4 GiB
+    assert extent(4, 32, 4096, 4096, jnp.float32) is None
+    assert extent(4, 32, 4097, 4096, jnp.bfloat16) is None
+    assert extent(1, 1, 65536, 65536, jnp.bfloat16) is None  # int32 offsets inside a head
+
+
 @pytest.mark.parametrize("ctas", [1, 3, 132])
 def test_pallas_gpu_persistent_balance(ctas):
     """The persistent kernels' tile table: every tile exactly once, the first `ctas` tiles on

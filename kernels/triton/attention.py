@@ -109,6 +109,23 @@ def _keep(h_bn, t, s, THRESH: tl.constexpr):
 
 
 @triton.jit
+def _allowed(t, s, b, QSEG, KVSEG, T: tl.constexpr, S: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+             HAS_SEG: tl.constexpr):
+    """Whether query t may see key s (broadcast shapes) by position (causal alignment, window), the
+    key tail and the segment ids: every rule but the data (mask, bias)."""
+    ok = s < S
+    if RIGHT >= 0:
+        ok = ok & (s <= t + (S - T + RIGHT))
+    if LEFT >= 0:
+        ok = ok & (s >= t + (S - T - LEFT))
+    if HAS_SEG:
+        qs = tl.load(QSEG + b * T + t, mask=t < T, other=0)
+        ks = tl.load(KVSEG + b * S + s, mask=s < S, other=0)
+        ok = ok & (qs == ks)
+    return ok
+
+
+@triton.jit
 def _logits2(qk, t, s, b, n, BIAS, MASK, QSEG, KVSEG, T: tl.constexpr, S: tl.constexpr,
              SCALE: tl.constexpr, CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
              HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr,
@@ -130,17 +147,8 @@ def _logits2(qk, t, s, b, n, BIAS, MASK, QSEG, KVSEG, T: tl.constexpr, S: tl.con
     if HAS_BIAS:
         base = b.to(tl.int64) * BIAS_SB + n.to(tl.int64) * BIAS_SN
         z += tl.load(BIAS + base + t * S + s, mask=inside, other=0.0).to(tl.float32) * LOG2E
-    if MASKED:
-        ok = s < S
-        if RIGHT >= 0:
-            ok = ok & (s <= t + (S - T + RIGHT))
-        if LEFT >= 0:
-            ok = ok & (s >= t + (S - T - LEFT))
-        z = tl.where(ok, z, float("-inf"))
-    if HAS_SEG and MASKED:  # unmasked tiles lie inside one shared segment (`_within_segments`)
-        qs = tl.load(QSEG + b * T + t, mask=t < T, other=0)
-        ks = tl.load(KVSEG + b * S + s, mask=s < S, other=0)
-        z = tl.where(qs == ks, z, float("-inf"))
+    if MASKED:  # unmasked tiles lie inside the band, below S and in one shared segment
+        z = tl.where(_allowed(t, s, b, QSEG, KVSEG, T, S, LEFT, RIGHT, HAS_SEG), z, float("-inf"))
     if HAS_MASK:
         base = b.to(tl.int64) * MASK_SB + n.to(tl.int64) * MASK_SN
         allowed = tl.load(MASK + base + t * S + s, mask=inside, other=0)
@@ -366,14 +374,17 @@ def _row_stats(LSE, DELTA, bn, t, T: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
+def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG, DS,
                T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
                LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
                BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
                HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
-               BM: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
-    """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]."""
+               BM: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr, DS_OUT: tl.constexpr,
+               SP: tl.constexpr, TP: tl.constexpr):
+    """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]. DS_OUT:
+    the tile's dz^T (with the soft-cap factor, in q's dtype: what the dk product consumes) also
+    goes to DS [B*N, SP, TP], for `_dq_kernel`."""
     t = start + tl.arange(0, BM)
     qt = _head_rows(Q, b.to(tl.int64) * (T * N * H) + n * H, t, tl.arange(0, HP), N * H, T, H, HP, True, True)
     do = _head_rows(DO, b.to(tl.int64) * (T * N * HV) + n * HV, t, tl.arange(0, HVP), N * HV, T, HV, HVP, True, False)
@@ -391,7 +402,10 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
     dzt = pt * (dpt - d[None, :])
     if CAP > 0:
         dzt = dzt * (1.0 - tht * tht)
-    dk += _dot(dzt.to(qt.dtype), tl.trans(qt), DOT)
+    dzt = dzt.to(qt.dtype)
+    if DS_OUT:  # every row and column lies inside DS's padded extent (`backward`)
+        tl.store(DS + (b * N + n).to(tl.int64) * (SP * TP) + s[:, None] * TP + t[None, :], dzt)
+    dk += _dot(dzt, tl.trans(qt), DOT)
     return dk, dv
 
 
@@ -451,14 +465,15 @@ def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIA
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DQ, DK, DV, DZ,
+def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DQ, DK, DV, DZ, DS,
                 T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
                 HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
                 CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr,
                 MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
                 KEEP_SCALE: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr,
-                BN2: tl.constexpr, DOT: tl.constexpr, DZ_OUT: tl.constexpr):
+                BN2: tl.constexpr, DOT: tl.constexpr, DZ_OUT: tl.constexpr, DS_OUT: tl.constexpr,
+                SP: tl.constexpr, TP: tl.constexpr):
     G: tl.constexpr = N // KH
     pid = tl.program_id(0)
     bn = tl.program_id(1)
@@ -495,11 +510,12 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
                     h_bn = _head_hash(SEED, b, n, N)
                 for start in range(lo, hi, BM1):
                     dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
-                                        T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN,
-                                        HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1, DOT, True)
+                                        DS, T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
+                                        BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1,
+                                        DOT, True, DS_OUT, SP, TP)
             tl.store(DK + k_base + s[:, None] * (KH * H) + h[None, :], (dk * SCALE).to(DK.dtype.element_ty), mask=k_mask)
             tl.store(DV + v_base + s[:, None] * (KH * HV) + hv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
-    else:
+    elif not DS_OUT:  # (with DS_OUT the grid has no dQ programs: `_dq_kernel` follows)
         n = n0
         m0 = (tl.num_programs(0) - 1 - pid) * BM2  # the last (heaviest) query block first
         t = m0 + tl.arange(0, BM2)
@@ -535,6 +551,57 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
                 s = start + tl.arange(0, BN2)
                 tl.store(DZ + dz_base + t[:, None] * S + s[None, :], zeros,
                          mask=(t[:, None] < T) & (s[None, :] < S) & (s[None, :] >= 0))
+
+
+@triton.jit
+def _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DS, ds_base, T: tl.constexpr, S: tl.constexpr,
+             KH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+             HAS_SEG: tl.constexpr, BN: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
+    """dq + dz k for the key block at `start`, dz read from DS's dz^T tile. In masked tiles only
+    the allowed pairs are read (the dK/dV programs wrote every tile that holds one, and nothing
+    else); rows past T may read what no program wrote, and are never stored."""
+    s = start + tl.arange(0, BN)
+    offsets = ds_base + s[None, :] * TP + t[:, None]
+    if MASKED:
+        ok = _allowed(t[:, None], s[None, :], b, QSEG, KVSEG, T, S, LEFT, RIGHT, HAS_SEG)
+        dz = tl.load(DS + offsets, mask=ok, other=0.0)
+    else:
+        dz = tl.load(DS + offsets)
+    kt = _head_rows(K, k_base, s, tl.arange(0, HP), KH * H, S, H, HP, MASKED, False)
+    return dq + _dot(dz, kt, DOT)
+
+
+@triton.jit
+def _dq_kernel(K, QSEG, KVSEG, QRANGE, DS, DQ, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
+               KH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
+               RIGHT: tl.constexpr, HAS_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SP: tl.constexpr,
+               TP: tl.constexpr, DOT: tl.constexpr):
+    """dq = scale * dz k for a block of BM queries, over the key blocks of `_key_blocks`, from the
+    dz^T tiles [B*N, SP, TP] `_bwd_kernel` wrote with DS_OUT: one matmul per tile where its own
+    dQ programs recompute q k^T and dO v^T first (5 matmuls per tile in all instead of 7)."""
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM  # the last (heaviest) query block first
+    bn = tl.program_id(1)
+    b = bn // N
+    n = bn % N
+    t = m0 + tl.arange(0, BM)
+    h = tl.arange(0, HP)
+    k_base = b.to(tl.int64) * (S * KH * H) + (n // (N // KH)) * H
+    ds_base = bn.to(tl.int64) * (SP * TP)
+    dq = tl.zeros([BM, HP], dtype=tl.float32)
+    lo, a, c, hi = _key_blocks(m0, BM, BN, T, S, LEFT, RIGHT)
+    if HAS_SEG:
+        lo, a, c, hi = _within_segments(lo, a, c, hi, QRANGE + (b * tl.cdiv(T, BM) + m0 // BM) * 3, BN)
+    for start in range(lo, a, BN):
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DS, ds_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+                      BN, TP, DOT, True)
+    for start in range(a, c, BN):
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DS, ds_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+                      BN, TP, DOT, False)
+    for start in range(c, hi, BN):
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DS, ds_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+                      BN, TP, DOT, True)
+    dq_offsets = b.to(tl.int64) * (T * N * H) + n * H + t[:, None] * (N * H) + h[None, :]
+    tl.store(DQ + dq_offsets, (dq * SCALE).to(DQ.dtype.element_ty), mask=(t[:, None] < T) & (h[None, :] < H))
 
 
 @triton.jit
@@ -636,6 +703,24 @@ _CONFIG_F32_256 = AttentionConfig(32, 32, 4, 2, 16, 32, 32, 16, 8, 2)  # refused
 _INTERPRET_CONFIG = AttentionConfig(32, 16, 4, 1, 16, 32, 32, 16, 4, 1)
 
 
+# The most bytes of dz^T tiles [B*N, S, T] (rounded up to blocks, q's dtype) the backward may
+# hold for `_dq_kernel` (4 GiB: causal B4 T4096 N32, Llama-3-8B's B1 T8192 N32); above it the dQ
+# programs of `_bwd_kernel` recompute them.
+_DQ_FROM_DS_MAX_BYTES = 4 << 30
+
+
+def dz_tiles_extent(B: int, N: int, T: int, S: int, dtype, cfg: AttentionConfig) -> tuple[int, int] | None:
+    """(rows, columns) of each head's dz^T tiles [S, T] rounded up to whole blocks of both
+    backward halves, when the B*N of them fit `_DQ_FROM_DS_MAX_BYTES` (and int32 offsets inside
+    a head); else None: dq is recomputed by the dQ programs."""
+    rows = triton.cdiv(S, cfg.block_n1) * cfg.block_n1
+    block = max(cfg.block_m1, cfg.block_m2)
+    cols = triton.cdiv(T, block) * block
+    if rows * cols >= 2**31 or B * N * rows * cols * jnp.dtype(dtype).itemsize > _DQ_FROM_DS_MAX_BYTES:
+        return None
+    return rows, cols
+
+
 def _pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
@@ -734,17 +819,31 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
     # A bias of the full [B, N] extent takes dz from the dQ programs; a broadcast one its own kernel.
     dz_out = bias is not None and tuple(bias.shape[:2]) == (B, N)
     dz_shape = (B, N, T, S) if dz_out else (1,)
-    dq, dk, dv, dz = triton_call(
-        q, k, v, *_optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
-                                   query_block=cfg.block_m2, key_block=cfg.block_n1),
-        dout.astype(q.dtype), lse, delta,
+    dz_tiles = None if bias is not None else dz_tiles_extent(B, N, T, S, q.dtype, cfg)
+    ds_out = dz_tiles is not None
+    rows_p, cols_p = dz_tiles or (0, 0)
+    optional = _optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
+                                query_block=cfg.block_m2, key_block=cfg.block_n1)
+    dq, dk, dv, dz, ds = triton_call(
+        q, k, v, *optional, dout.astype(q.dtype), lse, delta,
         kernel=_bwd_kernel,
-        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dz_shape, jnp.float32)),
-        grid=(triton.cdiv(S, cfg.block_n1) + triton.cdiv(T, cfg.block_m2), B * N),
+        out_shape=(jax.ShapeDtypeStruct((1,) if ds_out else q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dz_shape, jnp.float32),
+                   jax.ShapeDtypeStruct((B * N * rows_p * cols_p,) if ds_out else (1,), q.dtype)),
+        grid=(triton.cdiv(S, cfg.block_n1) + (0 if ds_out else triton.cdiv(T, cfg.block_m2)), B * N),
         num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-        BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, DZ_OUT=dz_out, **statics,
+        BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, DZ_OUT=dz_out, DS_OUT=ds_out,
+        SP=rows_p, TP=cols_p, **statics,
     )
+    if ds_out:
+        _, _, qseg, kvseg, _, qrange, _ = optional
+        dq = triton_call(
+            k, qseg, kvseg, qrange, ds, kernel=_dq_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            grid=(triton.cdiv(T, cfg.block_m2), B * N), num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            BM=cfg.block_m2, BN=cfg.block_n2, SP=rows_p, TP=cols_p,
+            **{name: statics[name] for name in ("T", "S", "N", "KH", "H", "HP", "SCALE", "LEFT", "RIGHT", "HAS_SEG",
+                                                "DOT")},
+        )
     dbias = dz if dz_out else None
     if bias is not None and not dz_out:
         Bb, Nb = bias.shape[:2]
