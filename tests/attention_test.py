@@ -336,6 +336,29 @@ def test_pallas_gpu_backward_with_xla_delta_in_interpreter(monkeypatch):
     _check("pallas_gpu", _qkv(1, T, S, 2, 1, 64, jnp.bfloat16, seed=T + 5 * S), kwargs)
 
 
+@pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
+@pytest.mark.parametrize("case,order", [("causal_gqa", "fa3"), ("window_soft_cap_T<S", "three_waits"),
+                                        ("segments", "three_waits"), ("unaligned", "fa3")])
+def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, monkeypatch):
+    """dq from the dz^T tiles of the dK/dV kernel (`_dq_from_dz`), at head_dim 64 here (the GPU
+    takes it at 128, where every other test there covers it), with the dz^T store after either
+    dK/dV step order. T != S and windows give key blocks whose tiles one warpgroup never wrote."""
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+
+    monkeypatch.setattr(pallas_gpu_attention, "_DZ_TILES_HEAD_DIMS", (64,))
+    monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
+    if case == "segments":
+        T, S = 200, 300
+        kwargs = dict(causal=True, segment_ids=(_segments(1, T, 5, empty_id=1), _segments(1, S, 6)))
+    elif case == "unaligned":
+        T, S, kwargs = 300, 136, dict(causal=True)
+    else:
+        T, S, kwargs = BACKWARD_ORDER_CASES[case]
+    # Head counts (3 over 1, 6 over 3) no other test traces: no cached trace of the other path.
+    N, K = (6, 3) if order == "fa3" else (3, 1)
+    _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 11 * S), kwargs)
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
 @pytest.mark.parametrize("case", ["causal_gqa", "window_soft_cap_T<S", "segments"])
 def test_triton_backward_recomputing_dq_past_the_dz_tiles_budget(case, monkeypatch):

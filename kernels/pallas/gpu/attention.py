@@ -148,6 +148,12 @@ def _dq_block_kv(H: int) -> int:
 # delta = rowsum(dO * O) - dlse in the dQ kernel (faster than XLA's reduction except under a left
 # window, where XLA computes it).
 _DELTA_IN_DQ_KERNEL = True
+# dq from the dz^T tiles the dK/dV kernel stores (`_dq_from_dz`: 5 matmuls per block instead of 7)
+# at these head dims while the tiles, B*N*S*T*2 bytes, fit the budget (4 GiB: causal B4 T4096
+# N32, Llama-3-8B's B1 T8192 N32); otherwise the dQ kernel recomputes them.
+_DZ_TILES_HEAD_DIMS = (128,)
+_DZ_TILES_MAX_BYTES = 4 << 30
+_DQ_FROM_DZ_BLOCK_KV = 64
 # dK/dV step order: FA3's (both score wgmmas, then both gradient wgmmas) only at H = 64, where it
 # was faster; at 128 no faster and it spills. Overlapping the backward's softmax with its second
 # wgmma was not kept (it lost on a power-capped H200).
@@ -510,7 +516,7 @@ def _dkv_query_block(H: int, parts: tuple[str, ...]) -> int:
 
 
 def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: Tails,
-         parts: tuple[str, ...] = ("dk", "dv")):
+         parts: tuple[str, ...] = ("dk", "dv"), dz_tiles: bool = False):
     """The `parts` of (dk [B, S, K, H], dv [B, S, K, Hv]): one CTA per 128 keys of one (b, kv
     head), the accumulators in registers, query blocks of `_dkv_query_block` rows streamed.
 
@@ -524,6 +530,10 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     matmuls instead of 7, FA3-style) were built three times and measured slower on H200s
     (benchmarks/ATTENTION.md; the last one's code is in commit 8589a0f).
     So dq stays a separate, deterministic kernel.
+
+    dz_tiles (with dk): each step's dz^T tile (q's dtype, what the dk product consumes) also goes
+    out, into [B, N, S, T] (padded lengths), for `_dq_from_dz`, through a double-buffered SMEM
+    tile per warpgroup.
     """
     B, _, N, H = q.shape
     K, Hv = k.shape[2], v.shape[3]
@@ -539,7 +549,9 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     v_tile = want_dk or Hv != H
     widths = {"dk": H, "dv": Hv}
     row_terms = (2 if want_dk else 1) + (1 if segmented else 0)
-    stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4, CTA * (H + (Hv if v_tile else 0)) * item)
+    assert want_dk or not dz_tiles
+    dz_bytes = 2 * CTA * bq * item if dz_tiles else 0
+    stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4, CTA * (H + (Hv if v_tile else 0)) * item + dz_bytes)
     band = Band.keys_by_query(spec, tails)
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
@@ -556,7 +568,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                *refs):
         out_refs, refs = dict(zip(parts, refs[:len(parts)])), refs[len(parts):]
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, stage, row_ids_smem, col_ids_smem,
+        dz_ref, refs = (refs[0], refs[1:]) if dz_tiles else (None, refs)
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dz_smem, stage, row_ids_smem, col_ids_smem,
          kv_bar, loaded, free) = refs
         wg = lax.axis_index("wg")
         ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
@@ -610,11 +623,24 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                             dst = pt * (dpt - bcast(dl, st.shape, 1))
                             if spec.logit_soft_cap is not None:
                                 dst = dst * _cap_grad(st, spec)
+                            dst = dst.astype(dt)
+
+                            def store_dz():  # the other buffer's store (the last step's) may stay in flight
+                                buf = dz_smem.at[wg, lax.rem(i, i32(2))]
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                buf[...] = dst
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    buf, dz_ref.at[tl.b, tl.n * G + g, pl.ds(keys, ROWS), pl.ds(j * bq, bq)])
+
                             if fa3_order:
+                                if dz_tiles:
+                                    store_dz()
                                 acc["dv"], acc["dk"] = mma.update([(acc["dv"], pt.astype(dt), do_smem.at[slot]),
-                                                                   (acc["dk"], dst.astype(dt), q_smem.at[slot])])
-                            else:
-                                acc["dk"] = mma(dst.astype(dt), q_smem.at[slot], (ROWS, H), acc=acc["dk"], a_in_regs=True)
+                                                                   (acc["dk"], dst, q_smem.at[slot])])
+                            else:  # the dz^T store runs while the dk wgmma is in flight
+                                acc["dk"] = mma(dst, q_smem.at[slot], (ROWS, H), acc=acc["dk"], a_in_regs=True,
+                                                after_issue=store_dz if dz_tiles else None)
                         ring.release(slot, i, total)
                         return tuple(acc[name] for name in parts)
 
@@ -668,12 +694,14 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
         plgpu.SMEM((stages, bq, Hv), dt, transforms=tr),
         plgpu.SMEM((stages, bq), F32),
         plgpu.SMEM((stages, bq), F32) if want_dk else None,
+        plgpu.SMEM((WGS, 2, ROWS, bq), dt, transforms=tr) if dz_tiles else None,
         *_staging_and_segment_buffers(dt, bq, stages, interpret, segmented),
     ]
     # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
     bars = _backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
                               segmented=segmented)
-    out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts)
+    out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts) + (
+        (jax.ShapeDtypeStruct((B, N, S, T), dt),) if dz_tiles else ())
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
     return launch(name, kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *segment_inputs(kv_segment_ids, q_segment_ids))
@@ -824,6 +852,115 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
         q, k, v, do, out, lse2, row_term, schedule.input(), *segment_inputs(q_segment_ids, kv_segment_ids))
 
 
+def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
+    """dq = scale * dz k [B, T, N, H] from the dz^T tiles [B, N, S, T] `_dkv` wrote (dz_tiles):
+    one CTA per 128 query rows of one (b, n), blocks of `_DQ_FROM_DZ_BLOCK_KV` keys streamed with their dz^T tiles
+    (one per warpgroup's 64 queries), one wgmma per step where `_dq` also recomputes q k^T and
+    dO v^T. The CTA's key blocks (`Band.forward`) may hold tiles `_dkv` never wrote for one
+    warpgroup's 64 rows (its query blocks come from `Band.keys_by_query` per 128 keys): a
+    warpgroup keeps a step's product only where its query block was in that key tile's range."""
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    T, S = tails.T_padded, tails.S_padded
+    G, dt = N // K, q.dtype
+    item = jnp.dtype(dt).itemsize
+    bq = _dkv_query_block(H, ("dk", "dv"))
+    assert bq == ROWS, "a warpgroup's rows are one dK/dV query block"
+    bkv = _DQ_FROM_DZ_BLOCK_KV
+    segmented = q_segment_ids is not None
+    stages = _stages(bkv * (H + WGS * ROWS) * item, WGS * ROWS * H * item, cap=4)
+    band, written = Band.forward(spec, tails), Band.keys_by_query(spec, tails)
+    interpret = interpret_enabled()
+    tile_at = lambda t, reach=None: Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
+    schedule = _schedule(lambda t: tile_at(t).steps, (N, T // CTA, B), H, segmented, interpret, persistent_dims=())
+
+    def kernel(k_ref, dz_ref, table_ref, reach_ref, key_reach_ref, dq_ref, k_smem, dz_smem, out_smem, loaded, free):
+        wg = lax.axis_index("wg")
+        ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
+        tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
+        steps_of = lambda t: tile(t).steps
+
+        def consumer():
+            total = schedule.total(table_ref, steps_of)
+            ring.prime(total)
+
+            def one_tile(kk, t, base):
+                tl = tile(t)
+                rows = tl.r0 + wg * ROWS
+                kh = lax.div(tl.n, i32(G))
+                query_block = lax.div(rows, i32(bq))
+
+                def steps(acc):
+                    def step(j, carry):
+                        i = base + j - tl.lo
+                        slot = lax.rem(i, i32(stages))
+                        keys = Tile.of((kh, lax.div(j * bkv, i32(CTA)), tl.b), (K, S // CTA, B), written, bq, T,
+                                       last_first=False, reach=key_reach_ref if segmented else None)
+                        plgpu.barrier_wait(loaded.at[slot])
+
+                        @pl.when((keys.lo <= query_block) & (query_block < keys.hi))
+                        def _():
+                            plgpu.wgmma(acc, dz_smem.at[slot, wg].transpose((1, 0)), k_smem.at[slot])
+                            plgpu.wgmma_wait(0)
+
+                        ring.release(slot, i, total)
+                        return carry
+
+                    lax.fori_loop(tl.lo, tl.hi, step, None)
+                    return acc[...]
+
+                dq = pl.run_scoped(steps, plgpu.ACC((ROWS, H), F32))
+                out = out_smem.at[wg]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dq store
+                out[...] = (dq * spec.scale).astype(dt)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out, dq_ref.at[tl.b, pl.ds(rows, ROWS), tl.n])
+                return base + tl.steps
+
+            return one_tile
+
+        def producer():
+            def one_tile(kk, t, base):
+                tl = tile(t)
+                kh = lax.div(tl.n, i32(G))
+
+                def load(i, c):
+                    slot = lax.rem(base + i, i32(stages))
+                    ring.acquire(slot, base + i)
+                    keys = pl.ds((tl.lo + i) * bkv, bkv)
+                    plgpu.copy_gmem_to_smem(k_ref.at[tl.b, keys, kh], k_smem.at[slot], loaded.at[slot])
+                    for w in range(WGS):
+                        plgpu.copy_gmem_to_smem(dz_ref.at[tl.b, tl.n, keys, pl.ds(tl.r0 + w * ROWS, ROWS)],
+                                                dz_smem.at[slot, w], loaded.at[slot])
+                    return c
+
+                lax.fori_loop(0, tl.steps, load, None)
+                return base + tl.steps
+
+            return one_tile
+
+        warp_specialized(wg, schedule, table_ref, consumer, producer)
+
+    tr = _block_transforms(dt, bkv, H, ROWS)
+    scratch = [
+        plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
+        plgpu.SMEM((stages, WGS, bkv, ROWS), dt, transforms=tr),
+        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
+    ]
+    bars = [plgpu.Barrier(num_arrivals=1 + WGS, num_barriers=stages), plgpu.Barrier(num_arrivals=WGS, num_barriers=stages)]
+    reach = segment_inputs(q_segment_ids, kv_segment_ids)[2]
+    key_reach = segment_inputs(kv_segment_ids, q_segment_ids)[2]
+    return launch("attention_dq_from_dz", kernel, scratch, bars, jax.ShapeDtypeStruct(q.shape, dt), schedule,
+                  interpret)(k, dz, schedule.input(), reach, key_reach)
+
+
+def _dz_tiles_fit(tails: Tails, B: int, N: int, dt) -> bool:
+    """Whether the backward takes dq from dz^T tiles (`_dq_from_dz`): at `_DZ_TILES_HEAD_DIMS`
+    (one dK/dV launch) while the B*N tiles of [S, T] (padded lengths) fit `_DZ_TILES_MAX_BYTES`."""
+    return (tails.head_dim in _DZ_TILES_HEAD_DIMS and tails.value_head_dim <= tails.head_dim
+            and B * N * tails.S_padded * tails.T_padded * jnp.dtype(dt).itemsize <= _DZ_TILES_MAX_BYTES)
+
+
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
     del bias, mask, dropout_seed  # refused by _supports
     tails = _tails(q, k, v)
@@ -835,14 +972,20 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     q, k, v = tails.tma_rows(q), tails.tma_cols(k), tails.tma_cols(v, value=True)
     out, dout = tails.tma_rows(out.astype(dt), value=True), tails.tma_rows(dout.astype(dt), value=True)
     segments = tails.ids(q_segment_ids, kv_segment_ids)
+    rows = slice(0, tails.T)
+    xla_delta = lambda: tails.row_stats(
+        jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(F32), out[:, rows].astype(F32)) - dlse)
+    if _dz_tiles_fit(tails, q.shape[0], q.shape[2], dt):
+        delta = xla_delta()
+        dk, dv, dz = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, dz_tiles=True)
+        dq = _dq_from_dz(q, k, dz, *segments, spec, tails)
+        return tails.real_rows(dq, tails.H), tails.real_cols(dk, tails.H), tails.real_cols(dv, tails.Hv), None
     # delta in the dQ kernel needs a key block that holds a tile's O rows (`_dq`).
     if (_DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None
             and _dq_block_kv(H) >= CTA and tails.value_head_dim == H):
         dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
     else:
-        rows = slice(0, tails.T)
-        delta = jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(F32), out[:, rows].astype(F32)) - dlse
-        delta = tails.row_stats(delta)
+        delta = xla_delta()
         (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
     if H <= 128 or (tails.value_head_dim < H and H in _ONE_DKV_LAUNCH_NARROW_V_HEAD_DIMS):
         dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
