@@ -27,6 +27,8 @@ _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "
 # pallas_gpu's kernel head dims (`_HEAD_DIMS` in kernels/pallas/gpu/attention.py, which //ops cannot
 # import: the kernels depend on it; test_pallas_gpu_head_dims_match keeps the two equal).
 _PALLAS_GPU_HEAD_DIMS = (64, 96, 128, 192, 256)
+# pallas_gpu's budget for its backward's dz^T tiles (`_DZ_TILES_MAX_BYTES` there; the same test keeps them equal).
+_PALLAS_GPU_DZ_TILES_MAX_BYTES = 4 << 30
 
 
 def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
@@ -79,13 +81,35 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     backward is deterministic. At head_dim 128 cuDNN stays first: pallas_gpu's kernels take longer
     (3.889 against 3.782 ms) and in a program it measured 0.92-0.94x (its 7-matmul backward draws
     more power per call and runs at a lower clock under the power cap,
-    results/attention_power_fwd_bwd_H100.json)."""
+    results/attention_power_fwd_bwd_H100.json). Since its backward takes dq from the dK/dV kernel's
+    dz^T tiles (5 matmuls, `_DZ_TILES_HEAD_DIMS` in kernels/pallas/gpu/attention.py), head_dim 128
+    under GQA goes to pallas_gpu too, while those tiles fit (`_PALLAS_GPU_DZ_TILES_MAX_BYTES`):
+    Llama-3-8B's B1 T8192 N32 KV8 on an H100, fwd+bwd 1.09x cuDNN in tune_attention.py's rounds
+    (3.856 against 4.214 ms, results/attention_H100_2026-11-26_pallas_gpu_dq_from_dz_tiles_gqa.json)
+    and 1.02x inside a program of 4 layers (3.847 against 3.940 ms per call,
+    results/attention_H100_2026-11-26_in_program_gqa.json). Without GQA cuDNN stays first: 1.05-1.07x
+    in the rounds, but 0.96x in the program (4.312 against 4.158,
+    results/attention_H100_2026-11-26_in_program.json)."""
     spec = kwargs["spec"]
-    q, v = args[0], args[2]
-    if (platform == "gpu" and spec.causal and spec.window_left is None and q.shape[3] in (64, 96, 192)
-            and v.shape[3] == q.shape[3] and _aligned(args)):
+    q, k, v = args[0], args[1], args[2]
+    if platform != "gpu" or not spec.causal or spec.window_left is not None or v.shape[3] != q.shape[3]:
+        return ()
+    if not _aligned(args):
+        return ()
+    if q.shape[3] in (64, 96, 192):
+        return ("pallas_gpu",)
+    if q.shape[3] == 128 and q.shape[-2] > k.shape[-2] and _pallas_gpu_dz_tiles_fit(q, k):
         return ("pallas_gpu",)
     return ()
+
+
+def _pallas_gpu_dz_tiles_fit(q, k) -> bool:
+    """Whether pallas_gpu's dz^T tiles, [batch, heads, S, T] with lengths rounded up to 128, fit
+    its budget (`_dz_tiles_fit` in kernels/pallas/gpu/attention.py)."""
+    whole = lambda n: -(-n // 128) * 128
+    batch_heads = math.prod(q.shape[:-3]) * q.shape[-2]
+    nbytes = batch_heads * whole(q.shape[-3]) * whole(k.shape[-3]) * jnp.dtype(q.dtype).itemsize
+    return nbytes <= _PALLAS_GPU_DZ_TILES_MAX_BYTES
 
 
 def _pallas_gpu_pads_head_dims(args) -> bool:

@@ -337,9 +337,10 @@ def test_pallas_gpu_backward_with_xla_delta_in_interpreter(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
-@pytest.mark.parametrize("case,order", [("causal_gqa", "fa3"), ("window_soft_cap_T<S", "three_waits"),
-                                        ("segments", "three_waits"), ("unaligned", "fa3")])
-def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, monkeypatch):
+@pytest.mark.parametrize("case,order,grid", [("causal_gqa", "fa3", "persistent"),
+                                             ("window_soft_cap_T<S", "three_waits", "per_tile"),
+                                             ("segments", "three_waits", "persistent"), ("unaligned", "fa3", "per_tile")])
+def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid, monkeypatch):
     """dq from the dz^T tiles of the dK/dV kernel (`_dq_from_dz`), at head_dim 64 here (the GPU
     takes it at 128, where every other test there covers it), with the dz^T store after either
     dK/dV step order. T != S and windows give key blocks whose tiles one warpgroup never wrote."""
@@ -347,6 +348,7 @@ def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, monkeypatch):
 
     monkeypatch.setattr(pallas_gpu_attention, "_DZ_TILES_HEAD_DIMS", (64,))
     monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
+    monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_DQ_FROM_DZ_HEAD_DIMS", (64,) if grid == "persistent" else ())
     if case == "segments":
         T, S = 200, 300
         kwargs = dict(causal=True, segment_ids=(_segments(1, T, 5, empty_id=1), _segments(1, S, 6)))
@@ -782,7 +784,8 @@ def test_jit_grad_vmap_checkpoint_bf16(backend):
 # backend of its forward and backward under a gradient; None = the same one). See
 # ops/attention.py's _inference_order and _training_order for the measurements behind the split.
 DEFAULT_SPLIT_CASES = {
-    "gqa": (8, 2, 128, dict(causal=True), ("pallas_gpu", "cudnn")),
+    # _training_order: pallas_gpu for both under GQA at causal head_dim 128 (its dz^T tiles fit).
+    "gqa": (8, 2, 128, dict(causal=True), ("pallas_gpu", None)),
     "window": (4, 4, 128, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
     "head_dim_256": (4, 4, 256, dict(causal=True), ("cudnn", None)),
     "causal_mha": (4, 4, 128, dict(causal=True), ("cudnn", None)),
@@ -810,9 +813,10 @@ def test_training_order_rule():
     from forgeax.kernels.common.attention import AttentionSpec
     from forgeax.ops.attention import _training_order
 
-    def order(H, platform="gpu", T=256, **spec):
-        q = jax.ShapeDtypeStruct((1, T, 4, H), jnp.bfloat16)
-        return _training_order(platform, (q, q, q), {"spec": AttentionSpec(**spec)})
+    def order(H, platform="gpu", T=256, B=1, N=4, K=4, **spec):
+        q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+        return _training_order(platform, (q, kv, kv), {"spec": AttentionSpec(**spec)})
 
     assert order(64, causal=True) == ("pallas_gpu",)
     assert order(192, causal=True) == order(96, causal=True) == ("pallas_gpu",)
@@ -822,17 +826,23 @@ def test_training_order_rule():
     assert order(64, T=120, causal=True) == ()
     assert order(64, platform="tpu", causal=True) == ()
     assert order(128, causal=True) == ()
+    # head_dim 128 under GQA while pallas_gpu's dz^T tiles fit 4 GiB (Llama-3-8B's T8192 just does)
+    assert order(128, causal=True, K=1) == ("pallas_gpu",)
+    assert order(128, T=8192, N=32, K=8, causal=True) == ("pallas_gpu",)
+    assert order(128, T=8192, B=2, N=32, K=8, causal=True) == ()
+    assert order(128, K=1) == ()
     assert order(64) == ()
     assert order(64, causal=True, window_left=100, window_right=0) == ()
 
 
 def test_pallas_gpu_head_dims_match():
-    """ops/attention.py's copy of pallas_gpu's kernel head dims (the selection rules read it) is
-    the kernels' own."""
+    """ops/attention.py's copies of pallas_gpu's kernel head dims and dz^T tiles budget (the
+    selection rules read them) are the kernels' own."""
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-    from forgeax.ops.attention import _PALLAS_GPU_HEAD_DIMS
+    from forgeax.ops.attention import _PALLAS_GPU_DZ_TILES_MAX_BYTES, _PALLAS_GPU_HEAD_DIMS
 
     assert _PALLAS_GPU_HEAD_DIMS == pallas_gpu_attention._HEAD_DIMS
+    assert _PALLAS_GPU_DZ_TILES_MAX_BYTES == pallas_gpu_attention._DZ_TILES_MAX_BYTES
 
 
 def test_pallas_gpu_kernel_head_dims():

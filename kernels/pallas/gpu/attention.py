@@ -154,6 +154,7 @@ _DELTA_IN_DQ_KERNEL = True
 _DZ_TILES_HEAD_DIMS = (128,)
 _DZ_TILES_MAX_BYTES = 4 << 30
 _DQ_FROM_DZ_BLOCK_KV = 64
+_PERSISTENT_DQ_FROM_DZ_HEAD_DIMS = ()
 # dK/dV step order: FA3's (both score wgmmas, then both gradient wgmmas) only at H = 64, where it
 # was faster; at 128 no faster and it spills. Overlapping the backward's softmax with its second
 # wgmma was not kept (it lost on a power-capped H200).
@@ -872,7 +873,8 @@ def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     band, written = Band.forward(spec, tails), Band.keys_by_query(spec, tails)
     interpret = interpret_enabled()
     tile_at = lambda t, reach=None: Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
-    schedule = _schedule(lambda t: tile_at(t).steps, (N, T // CTA, B), H, segmented, interpret, persistent_dims=())
+    schedule = _schedule(lambda t: tile_at(t).steps, (N, T // CTA, B), H, segmented, interpret,
+                         persistent_dims=_PERSISTENT_DQ_FROM_DZ_HEAD_DIMS)
 
     def kernel(k_ref, dz_ref, table_ref, reach_ref, key_reach_ref, dq_ref, k_smem, dz_smem, out_smem, loaded, free):
         wg = lax.axis_index("wg")
