@@ -362,20 +362,25 @@ def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid, monkeypat
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
+@pytest.mark.parametrize("path", ["dz_tiles", "dq_programs"])
 @pytest.mark.parametrize("case", ["causal_gqa", "window_soft_cap_T<S", "segments"])
-def test_triton_backward_recomputing_dq_past_the_dz_tiles_budget(case, monkeypatch):
-    """With no room for the dz^T tiles (`_DQ_FROM_DS_MAX_BYTES` 0) the fused kernel's own dQ
-    programs compute dq (every other test takes the dz^T tiles at its sizes)."""
+def test_triton_backward_dq_from_dz_tiles_and_from_its_dq_programs(case, path, monkeypatch):
+    """Both ways the Triton backward computes dq at head_dim 64: from the dz^T tiles the dK/dV
+    programs store (`_dq_kernel`; the default at head_dim 128 while they fit) and from the fused
+    kernel's own dQ programs (the default at 64, and past the tiles' budget)."""
     from forgeax.kernels.triton import attention as triton_attention
 
-    monkeypatch.setattr(triton_attention, "_DQ_FROM_DS_MAX_BYTES", 0)
+    monkeypatch.setattr(triton_attention, "_DQ_FROM_DS_PADDED_HEAD_DIMS", (64,))
+    if path == "dq_programs":
+        monkeypatch.setattr(triton_attention, "_DQ_FROM_DS_MAX_BYTES", 0)
     if case == "segments":
         T, S = 40, 130
         kwargs = dict(causal=True, segment_ids=(_segments(1, T, 3, empty_id=1), _segments(1, S, 4)))
     else:
         T, S, kwargs = BACKWARD_ORDER_CASES[case]
-    # Head counts (5 over 1) no other test traces, so no cached trace of the other path is reused.
-    _check("triton", _qkv(1, T, S, 5, 1, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
+    # Head counts no other test traces, so no cached trace of the other path is reused.
+    N, K = (5, 1) if path == "dz_tiles" else (6, 3)
+    _check("triton", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
 
 
 def test_triton_dz_tiles_extent_rounds_to_blocks_and_keeps_the_budget():

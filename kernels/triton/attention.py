@@ -703,9 +703,16 @@ _CONFIG_F32_256 = AttentionConfig(32, 32, 4, 2, 16, 32, 32, 16, 8, 2)  # refused
 _INTERPRET_CONFIG = AttentionConfig(32, 16, 4, 1, 16, 32, 32, 16, 4, 1)
 
 
-# The most bytes of dz^T tiles [B*N, S, T] (rounded up to blocks, q's dtype) the backward may
-# hold for `_dq_kernel` (4 GiB: causal B4 T4096 N32, Llama-3-8B's B1 T8192 N32); above it the dQ
-# programs of `_bwd_kernel` recompute them.
+# dq from the dz^T tiles the dK/dV programs store (`_dq_kernel`) at these padded head dims (q's
+# and v's, the wider), while the tiles [B*N, S, T] (rounded up to blocks, q's dtype) fit
+# _DQ_FROM_DS_MAX_BYTES (4 GiB: causal B4 T4096 N32, Llama-3-8B's B1 T8192 N32); otherwise the dQ
+# programs of `_bwd_kernel` recompute them. Measured against those (benchmarks/tune_attention.py,
+# B4 T4096 N32 fwd+bwd): at 128 on an H200, causal 4.659 against 5.160 ms, non-causal 8.200
+# against 9.199, GQA 4.802 against 5.020 (results/attention_H200_2026-11-26_triton_dq_from_dz_tiles_*.json);
+# on an H100, causal 4.896 / 4.852 (two copies) against 5.027, non-causal 8.416 / 8.230 against
+# 8.705, GQA 4.995 / 4.863 against 4.935 (results/attention_H100_2026-11-26_triton_dq_from_dz_tiles.json).
+# Not at 64: even on the H200 (3.153 against 3.150), slower on the H100 (3.595 against 3.291).
+_DQ_FROM_DS_PADDED_HEAD_DIMS = (128,)
 _DQ_FROM_DS_MAX_BYTES = 4 << 30
 
 
@@ -819,7 +826,9 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
     # A bias of the full [B, N] extent takes dz from the dQ programs; a broadcast one its own kernel.
     dz_out = bias is not None and tuple(bias.shape[:2]) == (B, N)
     dz_shape = (B, N, T, S) if dz_out else (1,)
-    dz_tiles = None if bias is not None else dz_tiles_extent(B, N, T, S, q.dtype, cfg)
+    dz_tiles = None
+    if bias is None and max(statics["HP"], statics["HVP"]) in _DQ_FROM_DS_PADDED_HEAD_DIMS:
+        dz_tiles = dz_tiles_extent(B, N, T, S, q.dtype, cfg)
     ds_out = dz_tiles is not None
     rows_p, cols_p = dz_tiles or (0, 0)
     optional = _optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
