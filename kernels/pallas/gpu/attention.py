@@ -40,8 +40,14 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     at H = 64 and 128 with at least 32 kv heads stay persistent, their tiles dealt in tile
     order with equal weights (`_PERSISTENT_SEGMENTED_HEAD_DIMS`).
 
-Backward (lse * log2(e) is a plain jnp op; the dQ kernel runs first and, except under a left
-window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
+Backward (lse * log2(e) is a plain jnp op). At H = 128, while B*N*S*T*2 bytes fit 4 GiB
+(`_DZ_TILES_HEAD_DIMS`, `_DZ_TILES_MAX_BYTES`): delta from XLA, then the dK/dV kernel below,
+which also TMA-stores every dz^T tile it computes (in flight beside its dk wgmma) into
+[B, N, S, T], then `_dq_from_dz`: dq = scale * dz k, one wgmma per 64-key block (5 matmuls per
+block in all instead of 7; H100: fwd+bwd 1.05-1.07x cuDNN against 1.02x, GQA 1.09-1.12x; the
+tiles cost the HBM traffic of writing and reading them, and the memory). Otherwise the dQ kernel
+runs first and, except under a left window where XLA does, computes delta
+(`_DELTA_IN_DQ_KERNEL`):
   * dQ kernel (persistent at H = 192 and 256, `_PERSISTENT_DQ_HEAD_DIMS`): a tile = 128 query rows of
     one (b, n), consumers own 64 rows, the producer streams the tile's O rows, then K/V blocks
     of `_DQ_BLOCK_KV` keys:
@@ -62,7 +68,8 @@ window where XLA does, computes delta, `_DELTA_IN_DQ_KERNEL`):
     backward, which ran this head size before (B2 T4096 N16 causal, H200; with a soft cap 2.14
     against 5.29).
   * dq is not fused into the dK/dV kernel: FA3-style one-pass variants (f32 dq accumulated by
-    TMA reduce-adds) measured slower on an H200, three times (see `_dkv`).
+    TMA reduce-adds) measured slower on an H200, three times (see `_dkv`); the dz^T tiles
+    above give the same 5 matmuls without atomics, deterministically.
 
 Interpret mode (FORGEAX_INTERPRET / interpret_mode()): the interpreter cannot run wgmma with a
 register LHS nor `run_state` with `ACC.init` (notes/MOSAIC_GPU.md §8), so there the 16-bit
@@ -529,8 +536,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
 
     One-pass variants that also add each CTA's ds k into an f32 dq with TMA reduce-adds (5
     matmuls instead of 7, FA3-style) were built three times and measured slower on H200s
-    (benchmarks/ATTENTION.md; the last one's code is in commit 8589a0f).
-    So dq stays a separate, deterministic kernel.
+    (benchmarks/ATTENTION.md; the last one's code is in commit 8589a0f). So dq stays a separate,
+    deterministic kernel: `_dq`, or `_dq_from_dz` from the tiles below.
 
     dz_tiles (with dk): each step's dz^T tile (q's dtype, what the dk product consumes) also goes
     out, into [B, N, S, T] (padded lengths), for `_dq_from_dz`, through a double-buffered SMEM
