@@ -257,6 +257,26 @@ def _kernel_head_dims(H: int, Hv: int) -> tuple[int, int] | None:
     return dims
 
 
+def _key_block_producer(tile, G: int, stages: int, copy_block):
+    """The producer's tile body in the kernels whose ring uses are a query tile's key blocks (the
+    forward, `_dq_from_dz`): for block i of tile t (ring use g = base + i, in slot g mod stages)
+    copy_block(tile t, its kv head, i, g, slot) waits for the slot and starts its copies."""
+
+    def one_tile(kk, t, base):
+        tl = tile(t)
+        kh = lax.div(tl.n, i32(G))
+
+        def load(i, c):
+            g = base + i
+            copy_block(tl, kh, i, g, lax.rem(g, i32(stages)))
+            return c
+
+        lax.fori_loop(0, tl.steps, load, None)
+        return base + tl.steps
+
+    return one_tile
+
+
 def _tails(q, k, v) -> Tails:
     return Tails.of(q, k, v, _kernel_head_dims(q.shape[3], v.shape[3]))
 
@@ -461,29 +481,16 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
 
             return one_tile
 
-        def producer():
-            def one_tile(kk, t, base):
-                tl = tile(t)
-                kh = lax.div(tl.n, i32(G))
+        def copy_block(tl, kh, i, g, slot):
+            keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
+            k_ring.acquire(slot, g)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+            if segmented:
+                plgpu.copy_gmem_to_smem(col_ids_ref.at[keys[:2]], col_ids_smem.at[slot], k_bar.at[slot])
+            v_ring.acquire(slot, g)
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
 
-                def load(i, c):
-                    g = base + i
-                    slot = lax.rem(g, i32(stages))
-                    keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
-                    k_ring.acquire(slot, g)
-                    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-                    if segmented:
-                        plgpu.copy_gmem_to_smem(col_ids_ref.at[keys[:2]], col_ids_smem.at[slot], k_bar.at[slot])
-                    v_ring.acquire(slot, g)
-                    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
-                    return c
-
-                lax.fori_loop(0, tl.steps, load, None)
-                return base + tl.steps
-
-            return one_tile
-
-        warp_specialized(wg, schedule, table_ref, consumer, producer)
+        warp_specialized(wg, schedule, table_ref, consumer, lambda: _key_block_producer(tile, G, stages, copy_block))
 
     tr = _block_transforms(dt, H, Hv)
 
@@ -928,27 +935,15 @@ def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
 
             return one_tile
 
-        def producer():
-            def one_tile(kk, t, base):
-                tl = tile(t)
-                kh = lax.div(tl.n, i32(G))
+        def copy_block(tl, kh, i, g, slot):
+            ring.acquire(slot, g)
+            keys = pl.ds((tl.lo + i) * bkv, bkv)
+            plgpu.copy_gmem_to_smem(k_ref.at[tl.b, keys, kh], k_smem.at[slot], loaded.at[slot])
+            for w in range(WGS):
+                plgpu.copy_gmem_to_smem(dz_ref.at[tl.b, tl.n, keys, pl.ds(tl.r0 + w * ROWS, ROWS)],
+                                        dz_smem.at[slot, w], loaded.at[slot])
 
-                def load(i, c):
-                    slot = lax.rem(base + i, i32(stages))
-                    ring.acquire(slot, base + i)
-                    keys = pl.ds((tl.lo + i) * bkv, bkv)
-                    plgpu.copy_gmem_to_smem(k_ref.at[tl.b, keys, kh], k_smem.at[slot], loaded.at[slot])
-                    for w in range(WGS):
-                        plgpu.copy_gmem_to_smem(dz_ref.at[tl.b, tl.n, keys, pl.ds(tl.r0 + w * ROWS, ROWS)],
-                                                dz_smem.at[slot, w], loaded.at[slot])
-                    return c
-
-                lax.fori_loop(0, tl.steps, load, None)
-                return base + tl.steps
-
-            return one_tile
-
-        warp_specialized(wg, schedule, table_ref, consumer, producer)
+        warp_specialized(wg, schedule, table_ref, consumer, lambda: _key_block_producer(tile, G, stages, copy_block))
 
     tr = _block_transforms(dt, bkv, H, ROWS)
     scratch = [
