@@ -87,9 +87,10 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     Llama-3-8B's B1 T8192 N32 KV8 on an H100, fwd+bwd 1.09x cuDNN in tune_attention.py's rounds
     (3.856 against 4.214 ms, results/attention_H100_2026-11-26_pallas_gpu_dq_from_dz_tiles_gqa.json)
     and 1.02x inside a program of 4 layers (3.847 against 3.940 ms per call,
-    results/attention_H100_2026-11-26_in_program_gqa.json). Without GQA cuDNN stays first: 1.05-1.07x
-    in the rounds, but 0.96x in the program (4.312 against 4.158,
-    results/attention_H100_2026-11-26_in_program.json)."""
+    results/attention_H100_2026-11-26_in_program_gqa.json). Without GQA cuDNN stays first: 1.05-1.13x
+    in the rounds, but 0.96x in the program on the H100 (4.312 against 4.158,
+    results/attention_H100_2026-11-26_in_program.json) and even on an H200 (4.002 against 4.026,
+    results/attention_H200_2026-11-26_in_program.json)."""
     spec = kwargs["spec"]
     q, k, v = args[0], args[1], args[2]
     if platform != "gpu" or not spec.causal or spec.window_left is not None or v.shape[3] != q.shape[3]:

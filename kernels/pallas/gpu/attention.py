@@ -548,7 +548,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
 
     dz_tiles (with dk): each step's dz^T tile (q's dtype, what the dk product consumes) also goes
     out, into [B, N, S, T] (padded lengths), for `_dq_from_dz`, through a double-buffered SMEM
-    tile per warpgroup.
+    tile per warpgroup and a TMA store (storing the registers straight to global memory made
+    the kernel 1.5x as slow: 2.968 against 1.956 ms, H200).
     """
     B, _, N, H = q.shape
     K, Hv = k.shape[2], v.shape[3]
