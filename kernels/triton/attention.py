@@ -27,16 +27,16 @@ Backward: `_delta_kernel` computes D = rowsum(dout * out) - dlse, then ONE `_bwd
 with grid (cdiv(S, BN1) + cdiv(T, BM2), B*N): the first programs of each (b, n) row do dK/dV for
 a key block, looping over query blocks; the rest do dQ for a query block, looping over key
 blocks (recomputing p and dp). At padded head dim 128, while B*N*S*T tiles in q's dtype fit 4 GiB
-(`_DQ_FROM_DS_PADDED_HEAD_DIMS`, `_DQ_FROM_DS_MAX_BYTES`), the launch has only the dK/dV
-programs, which also store each dz^T tile they compute (DS_OUT), and `_dq_kernel` computes
+(`_DZ_TILES_PADDED_HEAD_DIMS`, `_DZ_TILES_MAX_BYTES`), the launch has only the dK/dV
+programs, which also store each dz^T tile they compute (DZT_OUT), and `_dq_kernel` computes
 dq = scale * dz k from them: one matmul per tile instead of three (H200, causal B4 T4096 N32
-fwd+bwd 4.659 against 5.160 ms; H100 3-5% faster). No atomics, deterministic either way: a one-pass variant adding dz k into
-an f32 dq by atomics (5 matmuls per tile instead of 7) measured slower on an H200 (causal H128
-3.66 against 3.55-3.60 ms, non-causal 8.71 against 6.51, GQA 4.17 against 3.56;
-results/attention_H200_2026-11-26_triton_atomic_dq.json). GQA: the dK/dV program of kv head h
-loops over its G query heads itself (only the programs with n % G == 0 work; the others exit),
-so dk/dv are summed in f32 registers and written once in k's dtype: no G-times larger f32
-per-query-head buffers and no extra XLA reduction. With a bias, the dQ half also writes
+fwd+bwd 4.659 against 5.160 ms; H100 3-5% faster). No atomics, deterministic either way: a
+one-pass variant adding dz k into an f32 dq by atomics (5 matmuls per tile instead of 7)
+measured slower on an H200 (causal H128 3.66 against 3.55-3.60 ms, non-causal 8.71 against
+6.51, GQA 4.17 against 3.56; results/attention_H200_2026-11-26_triton_atomic_dq.json). GQA: the
+dK/dV program of kv head h loops over its G query heads itself (only the programs with
+n % G == 0 work; the others exit), so dk/dv are summed in f32 registers and written once in k's
+dtype: no G-times larger f32 per-query-head buffers and no extra XLA reduction. With a bias, the dQ half also writes
 dz = p (dp - D) (before the soft-cap factor) as f32 [B,N,T,S], zeros on skipped blocks, when
 the bias has that full extent; a bias broadcast over batch or heads gets `_dbias_kernel`, which
 sums dz over the broadcast axes in registers (recomputing the scores), never B*N*T*S floats.
@@ -223,6 +223,17 @@ def _query_blocks(n0, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, S: tl
 
 
 @triton.jit
+def _query_block_keys(m0, b, QRANGE, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+                      LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_SEG: tl.constexpr):
+    """(lo, a, c, hi) of `_key_blocks` for the query block at m0 of batch b, narrowed by
+    `_within_segments` to its reach in QRANGE (`segment_ranges` per block of BM queries)."""
+    lo, a, c, hi = _key_blocks(m0, BM, BN, T, S, LEFT, RIGHT)
+    if HAS_SEG:
+        lo, a, c, hi = _within_segments(lo, a, c, hi, QRANGE + (b * tl.cdiv(T, BM) + m0 // BM) * 3, BN)
+    return lo, a, c, hi
+
+
+@triton.jit
 def _within_segments(lo, a, c, hi, RANGE, BN: tl.constexpr):
     """Narrows block bounds (lo, a, c, hi) of `_key_blocks` to the columns [RANGE[0], RANGE[1])
     the block's segment ids may reach (`segment_ranges`). The unmasked blocks [a, c) keep only
@@ -302,9 +313,7 @@ def _fwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, O, LSE,
     acc = tl.zeros([BM, HVP], dtype=tl.float32)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
-    lo, a, c, hi = _key_blocks(m0, BM, BN, T, S, LEFT, RIGHT)
-    if HAS_SEG:
-        lo, a, c, hi = _within_segments(lo, a, c, hi, QRANGE + (b * tl.cdiv(T, BM) + m0 // BM) * 3, BN)
+    lo, a, c, hi = _query_block_keys(m0, b, QRANGE, BM, BN, T, S, LEFT, RIGHT, HAS_SEG)
     for start in range(lo, a, BN):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG,
                                   KVSEG, T, S, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
@@ -378,17 +387,17 @@ def _row_stats(LSE, DELTA, bn, t, T: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG, DS,
+def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG, DZT,
                T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
                LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
                BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
                HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
-               BM: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr, DS_OUT: tl.constexpr,
+               BM: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr, DZT_OUT: tl.constexpr,
                SP: tl.constexpr, TP: tl.constexpr):
-    """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]. DS_OUT:
+    """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]. DZT_OUT:
     the tile's dz^T (with the soft-cap factor, in q's dtype: what the dk product consumes) also
-    goes to DS [B*N, SP, TP], for `_dq_kernel`."""
+    goes to DZT [B*N, SP, TP], for `_dq_kernel`."""
     t = start + tl.arange(0, BM)
     qt = _head_rows(Q, b.to(tl.int64) * (T * N * H) + n * H, t, tl.arange(0, HP), N * H, T, H, HP, True, True)
     do = _head_rows(DO, b.to(tl.int64) * (T * N * HV) + n * HV, t, tl.arange(0, HVP), N * HV, T, HV, HVP, True, False)
@@ -407,8 +416,8 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
     if CAP > 0:
         dzt = dzt * (1.0 - tht * tht)
     dzt = dzt.to(qt.dtype)
-    if DS_OUT:  # every row and column lies inside DS's padded extent (`backward`)
-        tl.store(DS + (b * N + n).to(tl.int64) * (SP * TP) + s[:, None] * TP + t[None, :], dzt)
+    if DZT_OUT:  # every row and column lies inside DZT's padded extent (`backward`)
+        tl.store(DZT + (b * N + n).to(tl.int64) * (SP * TP) + s[:, None] * TP + t[None, :], dzt)
     dk += _dot(dzt, tl.trans(qt), DOT)
     return dk, dv
 
@@ -469,14 +478,14 @@ def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIA
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DQ, DK, DV, DZ, DS,
+def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DQ, DK, DV, DZ, DZT,
                 T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
                 HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
                 CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr,
                 MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
                 KEEP_SCALE: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr,
-                BN2: tl.constexpr, DOT: tl.constexpr, DZ_OUT: tl.constexpr, DS_OUT: tl.constexpr,
+                BN2: tl.constexpr, DOT: tl.constexpr, DZ_OUT: tl.constexpr, DZT_OUT: tl.constexpr,
                 SP: tl.constexpr, TP: tl.constexpr):
     G: tl.constexpr = N // KH
     pid = tl.program_id(0)
@@ -514,12 +523,12 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
                     h_bn = _head_hash(SEED, b, n, N)
                 for start in range(lo, hi, BM1):
                     dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
-                                        DS, T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
+                                        DZT, T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
                                         BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1,
-                                        DOT, True, DS_OUT, SP, TP)
+                                        DOT, True, DZT_OUT, SP, TP)
             tl.store(DK + k_base + s[:, None] * (KH * H) + h[None, :], (dk * SCALE).to(DK.dtype.element_ty), mask=k_mask)
             tl.store(DV + v_base + s[:, None] * (KH * HV) + hv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
-    elif not DS_OUT:  # (with DS_OUT the grid has no dQ programs: `_dq_kernel` follows)
+    elif not DZT_OUT:  # (with DZT_OUT the grid has no dQ programs: `_dq_kernel` follows)
         n = n0
         m0 = (tl.num_programs(0) - 1 - pid) * BM2  # the last (heaviest) query block first
         t = m0 + tl.arange(0, BM2)
@@ -528,9 +537,7 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
         if DROP:
             h_bn = _head_hash(SEED, b, n, N)
         dq = tl.zeros([BM2, HP], dtype=tl.float32)
-        lo, a, c, hi = _key_blocks(m0, BM2, BN2, T, S, LEFT, RIGHT)
-        if HAS_SEG:
-            lo, a, c, hi = _within_segments(lo, a, c, hi, QRANGE + (b * tl.cdiv(T, BM2) + m0 // BM2) * 3, BN2)
+        lo, a, c, hi = _query_block_keys(m0, b, QRANGE, BM2, BN2, T, S, LEFT, RIGHT, HAS_SEG)
         for start in range(lo, a, BN2):
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
@@ -543,8 +550,7 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
             dq = _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIAS, MASK, QSEG, KVSEG, DZ,
                           T, S, N, KH, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK,
                           MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BN2, DOT, True, DZ_OUT)
-        dq_offsets = b.to(tl.int64) * (T * N * H) + n * H + t[:, None] * (N * H) + h[None, :]
-        tl.store(DQ + dq_offsets, (dq * SCALE).to(DQ.dtype.element_ty), mask=(t[:, None] < T) & (h[None, :] < H))
+        _store_dq(DQ, dq, b, n, t, h, T, N, H, SCALE)
         if DZ_OUT:  # dz is 0 on the key blocks the bounds skipped
             dz_base = bn.to(tl.int64) * (T * S)
             zeros = tl.zeros([BM2, BN2], dtype=tl.float32)
@@ -558,30 +564,37 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
 
 
 @triton.jit
-def _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DS, ds_base, T: tl.constexpr, S: tl.constexpr,
+def _store_dq(DQ, dq, b, n, t, h, T: tl.constexpr, N: tl.constexpr, H: tl.constexpr, SCALE: tl.constexpr):
+    """DQ[b, t, n, :H] = scale * dq (f32 [len(t), len(h)]), rows past T and columns past H dropped."""
+    offsets = b.to(tl.int64) * (T * N * H) + n * H + t[:, None] * (N * H) + h[None, :]
+    tl.store(DQ + offsets, (dq * SCALE).to(DQ.dtype.element_ty), mask=(t[:, None] < T) & (h[None, :] < H))
+
+
+@triton.jit
+def _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T: tl.constexpr, S: tl.constexpr,
              KH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
              HAS_SEG: tl.constexpr, BN: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
-    """dq + dz k for the key block at `start`, dz read from DS's dz^T tile. In masked tiles only
+    """dq + dz k for the key block at `start`, dz read from DZT's dz^T tile. In masked tiles only
     the allowed pairs are read (the dK/dV programs wrote every tile that holds one, and nothing
     else); rows past T may read what no program wrote, and are never stored."""
     s = start + tl.arange(0, BN)
-    offsets = ds_base + s[None, :] * TP + t[:, None]
+    offsets = dzt_base + s[None, :] * TP + t[:, None]
     if MASKED:
         ok = _allowed(t[:, None], s[None, :], b, QSEG, KVSEG, T, S, LEFT, RIGHT, HAS_SEG)
-        dz = tl.load(DS + offsets, mask=ok, other=0.0)
+        dz = tl.load(DZT + offsets, mask=ok, other=0.0)
     else:
-        dz = tl.load(DS + offsets)
+        dz = tl.load(DZT + offsets)
     kt = _head_rows(K, k_base, s, tl.arange(0, HP), KH * H, S, H, HP, MASKED, False)
     return dq + _dot(dz, kt, DOT)
 
 
 @triton.jit
-def _dq_kernel(K, QSEG, KVSEG, QRANGE, DS, DQ, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
+def _dq_kernel(K, QSEG, KVSEG, QRANGE, DZT, DQ, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
                KH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
                RIGHT: tl.constexpr, HAS_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SP: tl.constexpr,
                TP: tl.constexpr, DOT: tl.constexpr):
     """dq = scale * dz k for a block of BM queries, over the key blocks of `_key_blocks`, from the
-    dz^T tiles [B*N, SP, TP] `_bwd_kernel` wrote with DS_OUT: one matmul per tile where its own
+    dz^T tiles [B*N, SP, TP] `_bwd_kernel` wrote with DZT_OUT: one matmul per tile where its own
     dQ programs recompute q k^T and dO v^T first (5 matmuls per tile in all instead of 7)."""
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM  # the last (heaviest) query block first
     bn = tl.program_id(1)
@@ -590,22 +603,19 @@ def _dq_kernel(K, QSEG, KVSEG, QRANGE, DS, DQ, T: tl.constexpr, S: tl.constexpr,
     t = m0 + tl.arange(0, BM)
     h = tl.arange(0, HP)
     k_base = b.to(tl.int64) * (S * KH * H) + (n // (N // KH)) * H
-    ds_base = bn.to(tl.int64) * (SP * TP)
+    dzt_base = bn.to(tl.int64) * (SP * TP)
     dq = tl.zeros([BM, HP], dtype=tl.float32)
-    lo, a, c, hi = _key_blocks(m0, BM, BN, T, S, LEFT, RIGHT)
-    if HAS_SEG:
-        lo, a, c, hi = _within_segments(lo, a, c, hi, QRANGE + (b * tl.cdiv(T, BM) + m0 // BM) * 3, BN)
+    lo, a, c, hi = _query_block_keys(m0, b, QRANGE, BM, BN, T, S, LEFT, RIGHT, HAS_SEG)
     for start in range(lo, a, BN):
-        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DS, ds_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
                       BN, TP, DOT, True)
     for start in range(a, c, BN):
-        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DS, ds_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
                       BN, TP, DOT, False)
     for start in range(c, hi, BN):
-        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DS, ds_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
                       BN, TP, DOT, True)
-    dq_offsets = b.to(tl.int64) * (T * N * H) + n * H + t[:, None] * (N * H) + h[None, :]
-    tl.store(DQ + dq_offsets, (dq * SCALE).to(DQ.dtype.element_ty), mask=(t[:, None] < T) & (h[None, :] < H))
+    _store_dq(DQ, dq, b, n, t, h, T, N, H, SCALE)
 
 
 @triton.jit
@@ -709,25 +719,25 @@ _INTERPRET_CONFIG = AttentionConfig(32, 16, 4, 1, 16, 32, 32, 16, 4, 1)
 
 # dq from the dz^T tiles the dK/dV programs store (`_dq_kernel`) at these padded head dims (q's
 # and v's, the wider), while the tiles [B*N, S, T] (rounded up to blocks, q's dtype) fit
-# _DQ_FROM_DS_MAX_BYTES (4 GiB: causal B4 T4096 N32, Llama-3-8B's B1 T8192 N32); otherwise the dQ
+# _DZ_TILES_MAX_BYTES (4 GiB: causal B4 T4096 N32, Llama-3-8B's B1 T8192 N32); otherwise the dQ
 # programs of `_bwd_kernel` recompute them. Measured against those (benchmarks/tune_attention.py,
 # B4 T4096 N32 fwd+bwd): at 128 on an H200, causal 4.659 against 5.160 ms, non-causal 8.200
 # against 9.199, GQA 4.802 against 5.020 (results/attention_H200_2026-11-26_triton_dq_from_dz_tiles_*.json);
 # on an H100, causal 4.896 / 4.852 (two copies) against 5.027, non-causal 8.416 / 8.230 against
 # 8.705, GQA 4.995 / 4.863 against 4.935 (results/attention_H100_2026-11-26_triton_dq_from_dz_tiles.json).
 # Not at 64: even on the H200 (3.153 against 3.150), slower on the H100 (3.595 against 3.291).
-_DQ_FROM_DS_PADDED_HEAD_DIMS = (128,)
-_DQ_FROM_DS_MAX_BYTES = 4 << 30
+_DZ_TILES_PADDED_HEAD_DIMS = (128,)
+_DZ_TILES_MAX_BYTES = 4 << 30
 
 
 def dz_tiles_extent(B: int, N: int, T: int, S: int, dtype, cfg: AttentionConfig) -> tuple[int, int] | None:
     """(rows, columns) of each head's dz^T tiles [S, T] rounded up to whole blocks of both
-    backward halves, when the B*N of them fit `_DQ_FROM_DS_MAX_BYTES` (and int32 offsets inside
+    backward halves, when the B*N of them fit `_DZ_TILES_MAX_BYTES` (and int32 offsets inside
     a head); else None: dq is recomputed by the dQ programs."""
     rows = triton.cdiv(S, cfg.block_n1) * cfg.block_n1
     block = max(cfg.block_m1, cfg.block_m2)
     cols = triton.cdiv(T, block) * block
-    if rows * cols >= 2**31 or B * N * rows * cols * jnp.dtype(dtype).itemsize > _DQ_FROM_DS_MAX_BYTES:
+    if rows * cols >= 2**31 or B * N * rows * cols * jnp.dtype(dtype).itemsize > _DZ_TILES_MAX_BYTES:
         return None
     return rows, cols
 
@@ -831,27 +841,27 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
     dz_out = bias is not None and tuple(bias.shape[:2]) == (B, N)
     dz_shape = (B, N, T, S) if dz_out else (1,)
     dz_tiles = None
-    if bias is None and max(statics["HP"], statics["HVP"]) in _DQ_FROM_DS_PADDED_HEAD_DIMS:
+    if bias is None and max(statics["HP"], statics["HVP"]) in _DZ_TILES_PADDED_HEAD_DIMS:
         dz_tiles = dz_tiles_extent(B, N, T, S, q.dtype, cfg)
-    ds_out = dz_tiles is not None
+    dzt_out = dz_tiles is not None
     rows_p, cols_p = dz_tiles or (0, 0)
     optional = _optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
                                 query_block=cfg.block_m2, key_block=cfg.block_n1)
-    dq, dk, dv, dz, ds = triton_call(
+    dq, dk, dv, dz, dzt = triton_call(
         q, k, v, *optional, dout.astype(q.dtype), lse, delta,
         kernel=_bwd_kernel,
-        out_shape=(jax.ShapeDtypeStruct((1,) if ds_out else q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+        out_shape=(jax.ShapeDtypeStruct((1,) if dzt_out else q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dz_shape, jnp.float32),
-                   jax.ShapeDtypeStruct((B * N * rows_p * cols_p,) if ds_out else (1,), q.dtype)),
-        grid=(triton.cdiv(S, cfg.block_n1) + (0 if ds_out else triton.cdiv(T, cfg.block_m2)), B * N),
+                   jax.ShapeDtypeStruct((B * N * rows_p * cols_p,) if dzt_out else (1,), q.dtype)),
+        grid=(triton.cdiv(S, cfg.block_n1) + (0 if dzt_out else triton.cdiv(T, cfg.block_m2)), B * N),
         num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-        BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, DZ_OUT=dz_out, DS_OUT=ds_out,
+        BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, DZ_OUT=dz_out, DZT_OUT=dzt_out,
         SP=rows_p, TP=cols_p, **statics,
     )
-    if ds_out:
+    if dzt_out:
         _, _, qseg, kvseg, _, qrange, _ = optional
         dq = triton_call(
-            k, qseg, kvseg, qrange, ds, kernel=_dq_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            k, qseg, kvseg, qrange, dzt, kernel=_dq_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
             grid=(triton.cdiv(T, cfg.block_m2), B * N), num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
             BM=cfg.block_m2, BN=cfg.block_n2, SP=rows_p, TP=cols_p,
             **{name: statics[name] for name in ("T", "S", "N", "KH", "H", "HP", "SCALE", "LEFT", "RIGHT", "HAS_SEG",
