@@ -370,9 +370,9 @@ def test_triton_backward_dq_from_dz_tiles_and_from_its_dq_programs(case, path, m
     kernel's own dQ programs (the default at 64, and past the tiles' budget)."""
     from forgeax.kernels.triton import attention as triton_attention
 
-    monkeypatch.setattr(triton_attention, "_DQ_FROM_DS_PADDED_HEAD_DIMS", (64,))
+    monkeypatch.setattr(triton_attention, "_DZ_TILES_PADDED_HEAD_DIMS", (64,))
     if path == "dq_programs":
-        monkeypatch.setattr(triton_attention, "_DQ_FROM_DS_MAX_BYTES", 0)
+        monkeypatch.setattr(triton_attention, "_DZ_TILES_MAX_BYTES", 0)
     if case == "segments":
         T, S = 40, 130
         kwargs = dict(causal=True, segment_ids=(_segments(1, T, 3, empty_id=1), _segments(1, S, 4)))
@@ -848,6 +848,21 @@ def test_pallas_gpu_head_dims_match():
 
     assert _PALLAS_GPU_HEAD_DIMS == pallas_gpu_attention._HEAD_DIMS
     assert _PALLAS_GPU_DZ_TILES_MAX_BYTES == pallas_gpu_attention._DZ_TILES_MAX_BYTES
+
+
+@pytest.mark.parametrize("B,T,S,N", [(1, 8192, 8192, 32), (2, 8192, 8192, 32), (4, 4096, 4096, 32),
+                                     (4, 4000, 4096, 32), (4, 4097, 4096, 32), (1, 16384, 16384, 32)])
+def test_pallas_gpu_dz_tiles_rule_matches(B, T, S, N):
+    """ops/attention.py's copy of pallas_gpu's dz^T tiles rule (`_pallas_gpu_dz_tiles_fit`, read
+    by the training order) decides every shape as the kernels' `_dz_tiles_fit` does, at the
+    edges of the budget (4 GiB exactly, lengths rounded up past it)."""
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+    from forgeax.ops.attention import _pallas_gpu_dz_tiles_fit
+
+    q = jax.ShapeDtypeStruct((B, T, N, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, 8, 128), jnp.bfloat16)
+    kernels = pallas_gpu_attention._dz_tiles_fit(pallas_gpu_attention._tails(q, kv, kv), B, N, q.dtype)
+    assert _pallas_gpu_dz_tiles_fit(q, kv) == kernels
 
 
 def test_pallas_gpu_kernel_head_dims():

@@ -567,7 +567,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     row_terms = (2 if want_dk else 1) + (1 if segmented else 0)
     assert want_dk or not dz_tiles
     dz_bytes = 2 * CTA * bq * item if dz_tiles else 0
-    stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4, CTA * (H + (Hv if v_tile else 0)) * item + dz_bytes)
+    stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4,
+                     CTA * (H + (Hv if v_tile else 0)) * item + dz_bytes)
     band = Band.keys_by_query(spec, tails)
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
@@ -870,8 +871,8 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
 def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     """dq = scale * dz k [B, T, N, H] from the dz^T tiles [B, N, S, T] `_dkv` wrote (dz_tiles):
-    one CTA per 128 query rows of one (b, n), blocks of `_DQ_FROM_DZ_BLOCK_KV` keys streamed with their dz^T tiles
-    (one per warpgroup's 64 queries), one wgmma per step where `_dq` also recomputes q k^T and
+    one CTA per 128 query rows of one (b, n), blocks of `_DQ_FROM_DZ_BLOCK_KV` keys streamed with
+    their dz^T tiles (one per warpgroup's 64 queries), one wgmma per step where `_dq` also recomputes q k^T and
     dO v^T. The CTA's key blocks (`Band.forward`) may hold tiles `_dkv` never wrote for one
     warpgroup's 64 rows (its query blocks come from `Band.keys_by_query` per 128 keys): a
     warpgroup keeps a step's product only where its query block was in that key tile's range."""
@@ -952,7 +953,9 @@ def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
         plgpu.SMEM((stages, WGS, bkv, ROWS), dt, transforms=tr),
         plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
     ]
-    bars = [plgpu.Barrier(num_arrivals=1 + WGS, num_barriers=stages), plgpu.Barrier(num_arrivals=WGS, num_barriers=stages)]
+    # Per ring slot: K and each warpgroup's dz^T tile landed; both consumers released it.
+    bars = [plgpu.Barrier(num_arrivals=1 + WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=WGS, num_barriers=stages)]
     reach = segment_inputs(q_segment_ids, kv_segment_ids)[2]
     key_reach = segment_inputs(kv_segment_ids, q_segment_ids)[2]
     return launch("attention_dq_from_dz", kernel, scratch, bars, jax.ShapeDtypeStruct(q.shape, dt), schedule,
@@ -980,23 +983,23 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     rows = slice(0, tails.T)
     xla_delta = lambda: tails.row_stats(
         jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(F32), out[:, rows].astype(F32)) - dlse)
-    if _dz_tiles_fit(tails, q.shape[0], q.shape[2], dt):
+    if _dz_tiles_fit(tails, q.shape[0], q.shape[2], dt):  # dK/dV first, then dq from its dz^T tiles
         delta = xla_delta()
         dk, dv, dz = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, dz_tiles=True)
         dq = _dq_from_dz(q, k, dz, *segments, spec, tails)
-        return tails.real_rows(dq, tails.H), tails.real_cols(dk, tails.H), tails.real_cols(dv, tails.Hv), None
-    # delta in the dQ kernel needs a key block that holds a tile's O rows (`_dq`).
-    if (_DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None
-            and _dq_block_kv(H) >= CTA and tails.value_head_dim == H):
-        dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
     else:
-        delta = xla_delta()
-        (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
-    if H <= 128 or (tails.value_head_dim < H and H in _ONE_DKV_LAUNCH_NARROW_V_HEAD_DIMS):
-        dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
-    else:  # one accumulator per launch (`_dkv`)
-        (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",))
-        (dv,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dv",))
+        # delta in the dQ kernel needs a key block that holds a tile's O rows (`_dq`).
+        if (_DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None
+                and _dq_block_kv(H) >= CTA and tails.value_head_dim == H):
+            dq, delta = _dq(q, k, v, dout, out, lse2, tails.row_stats(dlse), *segments, spec, tails, fused_delta=True)
+        else:
+            delta = xla_delta()
+            (dq,) = _dq(q, k, v, dout, out, lse2, delta, *segments, spec, tails, fused_delta=False)
+        if H <= 128 or (tails.value_head_dim < H and H in _ONE_DKV_LAUNCH_NARROW_V_HEAD_DIMS):
+            dk, dv = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails)
+        else:  # one accumulator per launch (`_dkv`)
+            (dk,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dk",))
+            (dv,) = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, parts=("dv",))
     return tails.real_rows(dq, tails.H), tails.real_cols(dk, tails.H), tails.real_cols(dv, tails.Hv), None
 
 
