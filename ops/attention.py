@@ -105,11 +105,16 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
 
 
 def _pallas_gpu_dz_tiles_fit(q, k) -> bool:
-    """Whether pallas_gpu's dz^T tiles, [batch, heads, S, T] with lengths rounded up to 128, fit
-    its budget (`_dz_tiles_fit` in kernels/pallas/gpu/attention.py)."""
+    """Whether pallas_gpu's dz^T tiles of a causal call without a window fit its budget
+    (`_dz_tiles_fit` in kernels/pallas/gpu/attention.py): per (batch, head), one 128 x 64 tile for
+    each pair of 128 keys and 64 queries that causal masking lets meet (query t sees key s iff
+    s <= t + S - T; lengths rounded up to 128), the tiles `_dkv` packs (`PackedTiles`)."""
+    T, S = q.shape[-3], k.shape[-3]
     whole = lambda n: -(-n // 128) * 128
+    query_blocks = whole(T) // 64
+    pairs = sum(query_blocks - min(max(128 * key_tile + T - S, 0), whole(T)) // 64 for key_tile in range(whole(S) // 128))
     batch_heads = math.prod(q.shape[:-3]) * q.shape[-2]
-    nbytes = batch_heads * whole(q.shape[-3]) * whole(k.shape[-3]) * jnp.dtype(q.dtype).itemsize
+    nbytes = batch_heads * max(pairs, 1) * 128 * 64 * jnp.dtype(q.dtype).itemsize
     return nbytes <= _PALLAS_GPU_DZ_TILES_MAX_BYTES
 
 

@@ -347,6 +347,7 @@ def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid, monkeypat
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
 
     monkeypatch.setattr(pallas_gpu_attention, "_DZ_TILES_HEAD_DIMS", (64,))
+    monkeypatch.setattr(pallas_gpu_attention, "_DZ_TILES_WINDOWED", True)  # off by default (slower), kept correct
     monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
     monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_DQ_FROM_DZ_HEAD_DIMS", (64,) if grid == "persistent" else ())
     if case == "segments":
@@ -851,18 +852,54 @@ def test_pallas_gpu_head_dims_match():
 
 
 @pytest.mark.parametrize("B,T,S,N", [(1, 8192, 8192, 32), (2, 8192, 8192, 32), (4, 4096, 4096, 32),
-                                     (4, 4000, 4096, 32), (4, 4097, 4096, 32), (1, 16384, 16384, 32)])
+                                     (4, 4000, 4096, 32), (4, 4097, 4096, 32), (1, 16384, 16384, 32),
+                                     (4, 5632, 5632, 32), (4, 5760, 5760, 32), (8, 4096, 8192, 32),
+                                     (3, 8192, 4096, 32), (1, 11264, 11264, 32), (1, 11600, 11600, 32)])
 def test_pallas_gpu_dz_tiles_rule_matches(B, T, S, N):
-    """ops/attention.py's copy of pallas_gpu's dz^T tiles rule (`_pallas_gpu_dz_tiles_fit`, read
-    by the training order) decides every shape as the kernels' `_dz_tiles_fit` does, at the
-    edges of the budget (4 GiB exactly, lengths rounded up past it)."""
+    """ops/attention.py's copy of pallas_gpu's dz^T tiles rule for causal calls
+    (`_pallas_gpu_dz_tiles_fit`, read by the training order) decides every shape as the kernels'
+    `_dz_tiles_fit` does, at the edges of the budget (lengths just below and above it, T != S)."""
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
     from forgeax.ops.attention import _pallas_gpu_dz_tiles_fit
 
     q = jax.ShapeDtypeStruct((B, T, N, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, S, 8, 128), jnp.bfloat16)
-    kernels = pallas_gpu_attention._dz_tiles_fit(pallas_gpu_attention._tails(q, kv, kv), B, N, q.dtype)
+    from forgeax.kernels.common.attention import AttentionSpec
+
+    spec = AttentionSpec(causal=True)
+    kernels = pallas_gpu_attention._dz_tiles_fit(spec, pallas_gpu_attention._tails(q, kv, kv), B, N, q.dtype)
     assert _pallas_gpu_dz_tiles_fit(q, kv) == kernels
+
+
+@pytest.mark.parametrize("T,S,window", [(4096, 4096, None), (4000, 4096, None), (4096, 1000, None),
+                                        (1000, 4096, None), (16384, 16384, 4096), (300, 136, 50)])
+def test_pallas_gpu_dz_tiles_are_packed(T, S, window):
+    """pallas_gpu's dz^T tiles hold only the (128 keys, 64 queries) pairs the band lets meet, each
+    once: entries [base[r] + lo, base[r] + hi) of key tile r are consecutive and disjoint, and
+    they cover exactly the pairs with a visible (query, key) inside the padded lengths (a causal
+    call stores about half of [S, T])."""
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+
+    q = jax.ShapeDtypeStruct((1, T, 1, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
+    from forgeax.kernels.common.attention import AttentionSpec
+
+    spec = AttentionSpec(causal=True, window_left=window)
+    tails = pallas_gpu_attention._tails(q, kv, kv)
+    layout = pallas_gpu_attention._dz_layout(spec, tails)
+    Tp, Sp = tails.T_padded, tails.S_padded
+    t, s = np.arange(Tp)[None, :], np.arange(Sp)[:, None]
+    d = t + (S - T) - s  # key s is d keys left of query t's aligned position
+    sees = (d >= 0) & (d <= (window if window is not None else Tp + Sp))
+    pairs = sees.reshape(Sp // 128, 128, Tp // 64, 64).any(axis=(1, 3))  # [key tiles, query blocks]
+    entries = [layout.base[r] + j for r in range(Sp // 128) for j in np.flatnonzero(pairs[r])]
+    spans = [(layout.base[r] + np.flatnonzero(pairs[r])) for r in range(Sp // 128) if pairs[r].any()]
+    assert all(np.all(np.diff(e) == 1) for e in spans)  # each key tile's blocks are one run
+    assert sorted(entries) == list(range(layout.count))  # every entry used exactly once
+    if window is None and T == S:
+        assert layout.count / pairs.size < 0.52
+    B, N = 1, 32  # small enough to fit: only the window decides
+    assert pallas_gpu_attention._dz_tiles_fit(spec, tails, B, N, jnp.bfloat16) == (window is None)
 
 
 def test_pallas_gpu_kernel_head_dims():

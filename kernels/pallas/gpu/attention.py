@@ -40,10 +40,12 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     at H = 64 and 128 with at least 32 kv heads stay persistent, their tiles dealt in tile
     order with equal weights (`_PERSISTENT_SEGMENTED_HEAD_DIMS`).
 
-Backward (lse * log2(e) is a plain jnp op). At H = 128, while B*N*S*T*2 bytes fit 4 GiB
-(`_DZ_TILES_HEAD_DIMS`, `_DZ_TILES_MAX_BYTES`): delta from XLA, then the dK/dV kernel below,
-which also TMA-stores every dz^T tile it computes (in flight beside its dk wgmma) into
-[B, N, S, T], then `_dq_from_dz`: dq = scale * dz k, one wgmma per 64-key block (5 matmuls per
+Backward (lse * log2(e) is a plain jnp op). At H = 128 without a left window, while the dz^T
+tiles fit 4 GiB (`_DZ_TILES_HEAD_DIMS`, `_DZ_TILES_MAX_BYTES`, `_dz_tiles_fit`): delta from XLA,
+then the dK/dV kernel below, which also TMA-stores every dz^T tile it computes (in flight beside
+its dk wgmma), packed to the (128 keys, 64 queries) pairs the band lets meet (`_dz_layout`:
+about half of [B, N, S, T] under causal masking), then `_dq_from_dz`: dq = scale * dz k, one
+wgmma per 64-key block (5 matmuls per
 block in all instead of 7; H100: fwd+bwd 1.05-1.07x cuDNN against 1.02x, GQA 1.09-1.12x; the
 tiles cost the HBM traffic of writing and reading them, and the memory). Otherwise the dQ kernel
 runs first and, except under a left window where XLA does, computes delta
@@ -86,6 +88,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -93,7 +96,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
 from forgeax.kernels.pallas.gpu import gpu_refusal
 from forgeax.kernels.pallas.gpu.attention_tiles import (
-    Band, Tails, Tile, allowed, segment_ids, segment_inputs, three_loops,
+    Band, PackedTiles, Tails, Tile, allowed, segment_ids, segment_inputs, three_loops,
 )
 from forgeax.kernels.pallas.gpu.warpgroups import (
     CTA, F32, FIRST_NAMED_BARRIER, ROWS, WGS, Mma, PingPong, Schedule, SlotFree, bcast, full_rows, i32, launch,
@@ -156,10 +159,13 @@ def _dq_block_kv(H: int) -> int:
 # window, where XLA computes it).
 _DELTA_IN_DQ_KERNEL = True
 # dq from the dz^T tiles the dK/dV kernel stores (`_dq_from_dz`: 5 matmuls per block instead of 7)
-# at these head dims while the tiles, B*N*S*T*2 bytes, fit the budget (4 GiB: causal B4 T4096
-# N32, Llama-3-8B's B1 T8192 N32); otherwise the dQ kernel recomputes them.
+# at these head dims, without a left window, while the tiles fit the budget; they are packed to
+# the pairs of 128 keys and 64 queries the band lets meet (`_dz_layout`), about B*N*S*T bytes
+# under causal masking (2.06 GiB at causal B4 T4096 N32 and 2.03 at Llama-3-8B's B1 T8192 N32;
+# causal B1 N32 up to T 11264 fits 4 GiB); otherwise the dQ kernel recomputes them.
 _DZ_TILES_HEAD_DIMS = (128,)
 _DZ_TILES_MAX_BYTES = 4 << 30
+_DZ_TILES_WINDOWED = False  # with a left window too (measured slower: `_dz_tiles_fit`)
 _DQ_FROM_DZ_BLOCK_KV = 64
 _PERSISTENT_DQ_FROM_DZ_HEAD_DIMS = ()
 # dK/dV step order: FA3's (both score wgmmas, then both gradient wgmmas) only at H = 64, where it
@@ -547,7 +553,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     deterministic kernel: `_dq`, or `_dq_from_dz` from the tiles below.
 
     dz_tiles (with dk): each step's dz^T tile (q's dtype, what the dk product consumes) also goes
-    out, into [B, N, S, T] (padded lengths), for `_dq_from_dz`, through a double-buffered SMEM
+    out, into [B, N, pairs, 128 keys, 64 queries] packed by `_dz_layout` (each warpgroup writes
+    its 64 keys' half), for `_dq_from_dz`, through a double-buffered SMEM
     tile per warpgroup and a TMA store (storing the registers straight to global memory made
     the kernel 1.5x as slow: 2.968 against 1.956 ms, H200).
     """
@@ -570,6 +577,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4,
                      CTA * (H + (Hv if v_tile else 0)) * item + dz_bytes)
     band = Band.keys_by_query(spec, tails)
+    packed = _dz_layout(spec, tails) if dz_tiles else None
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
 
@@ -583,7 +591,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                          segmented_dims=() if windowed else _PERSISTENT_SEGMENTED_DKV_HEAD_DIMS)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
-               *refs):
+               dz_base_ref, *refs):
         out_refs, refs = dict(zip(parts, refs[:len(parts)])), refs[len(parts):]
         dz_ref, refs = (refs[0], refs[1:]) if dz_tiles else (None, refs)
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dz_smem, stage, row_ids_smem, col_ids_smem,
@@ -647,8 +655,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 buf[...] = dst
                                 plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    buf, dz_ref.at[tl.b, tl.n * G + g, pl.ds(keys, ROWS), pl.ds(j * bq, bq)])
+                                entry = packed.entry(dz_base_ref, lax.div(tl.r0, i32(CTA)), j)
+                                plgpu.copy_smem_to_gmem(buf, dz_ref.at[tl.b, tl.n * G + g, entry, pl.ds(wg * ROWS, ROWS)])
 
                             if fa3_order:
                                 if dz_tiles:
@@ -718,10 +726,11 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     bars = _backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
                               segmented=segmented)
     out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts) + (
-        (jax.ShapeDtypeStruct((B, N, S, T), dt),) if dz_tiles else ())
+        (jax.ShapeDtypeStruct((B, N, max(packed.count, 1), CTA, bq), dt),) if dz_tiles else ())
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
     return launch(name, kernel, scratch, bars, out_type, schedule, interpret)(
-        q, k, v, do, lse2, delta, schedule.input(), *segment_inputs(kv_segment_ids, q_segment_ids))
+        q, k, v, do, lse2, delta, schedule.input(), *segment_inputs(kv_segment_ids, q_segment_ids),
+        jnp.asarray(packed.base if dz_tiles else np.zeros(1, np.int32)))
 
 
 def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: Tails, *,
@@ -870,7 +879,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
 
 def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
-    """dq = scale * dz k [B, T, N, H] from the dz^T tiles [B, N, S, T] `_dkv` wrote (dz_tiles):
+    """dq = scale * dz k [B, T, N, H] from the packed dz^T tiles `_dkv` wrote (dz_tiles, `_dz_layout`):
     one CTA per 128 query rows of one (b, n), blocks of `_DQ_FROM_DZ_BLOCK_KV` keys streamed with
     their dz^T tiles (one per warpgroup's 64 queries), one wgmma per step where `_dq` also recomputes q k^T and
     dO v^T. The CTA's key blocks (`Band.forward`) may hold tiles `_dkv` never wrote for one
@@ -886,13 +895,14 @@ def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     bkv = _DQ_FROM_DZ_BLOCK_KV
     segmented = q_segment_ids is not None
     stages = _stages(bkv * (H + WGS * ROWS) * item, WGS * ROWS * H * item, cap=4)
-    band, written = Band.forward(spec, tails), Band.keys_by_query(spec, tails)
+    band, written, packed = Band.forward(spec, tails), Band.keys_by_query(spec, tails), _dz_layout(spec, tails)
     interpret = interpret_enabled()
     tile_at = lambda t, reach=None: Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
     schedule = _schedule(lambda t: tile_at(t).steps, (N, T // CTA, B), H, segmented, interpret,
                          persistent_dims=_PERSISTENT_DQ_FROM_DZ_HEAD_DIMS)
 
-    def kernel(k_ref, dz_ref, table_ref, reach_ref, key_reach_ref, dq_ref, k_smem, dz_smem, out_smem, loaded, free):
+    def kernel(k_ref, dz_ref, table_ref, reach_ref, key_reach_ref, dz_base_ref, dq_ref, k_smem, dz_smem, out_smem,
+               loaded, free):
         wg = lax.axis_index("wg")
         ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
@@ -939,11 +949,12 @@ def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
 
         def copy_block(tl, kh, i, g, slot):
             ring.acquire(slot, g)
-            keys = pl.ds((tl.lo + i) * bkv, bkv)
-            plgpu.copy_gmem_to_smem(k_ref.at[tl.b, keys, kh], k_smem.at[slot], loaded.at[slot])
+            k0 = (tl.lo + i) * bkv
+            plgpu.copy_gmem_to_smem(k_ref.at[tl.b, pl.ds(k0, bkv), kh], k_smem.at[slot], loaded.at[slot])
+            key_tile, row = lax.div(k0, i32(CTA)), pl.ds(lax.rem(k0, i32(CTA)), bkv)
             for w in range(WGS):
-                plgpu.copy_gmem_to_smem(dz_ref.at[tl.b, tl.n, keys, pl.ds(tl.r0 + w * ROWS, ROWS)],
-                                        dz_smem.at[slot, w], loaded.at[slot])
+                entry = packed.entry(dz_base_ref, key_tile, lax.div(tl.r0, i32(bq)) + w)
+                plgpu.copy_gmem_to_smem(dz_ref.at[tl.b, tl.n, entry, row], dz_smem.at[slot, w], loaded.at[slot])
 
         warp_specialized(wg, schedule, table_ref, consumer, lambda: _key_block_producer(tile, G, stages, copy_block))
 
@@ -959,14 +970,33 @@ def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     reach = segment_inputs(q_segment_ids, kv_segment_ids)[2]
     key_reach = segment_inputs(kv_segment_ids, q_segment_ids)[2]
     return launch("attention_dq_from_dz", kernel, scratch, bars, jax.ShapeDtypeStruct(q.shape, dt), schedule,
-                  interpret)(k, dz, schedule.input(), reach, key_reach)
+                  interpret)(k, dz, schedule.input(), reach, key_reach, jnp.asarray(packed.base))
 
 
-def _dz_tiles_fit(tails: Tails, B: int, N: int, dt) -> bool:
+def _dz_layout(spec: AttentionSpec, tails: Tails) -> PackedTiles:
+    """Where `_dkv` puts each dz^T tile (128 keys x one query block of 64) of a head: one entry per
+    (key tile, query block) pair the band lets meet (`PackedTiles`), so a causal call stores
+    half of [S, T] and a windowed one only its band."""
+    return PackedTiles.of(Band.keys_by_query(spec, tails), tails.S_padded // CTA,
+                          _dkv_query_block(tails.head_dim, ("dk", "dv")), tails.T_padded)
+
+
+def _dz_tiles_bytes(spec: AttentionSpec, tails: Tails, B: int, N: int, dt) -> int:
+    """Device memory of the B*N heads' packed dz^T tiles (`_dz_layout`)."""
+    bq = _dkv_query_block(tails.head_dim, ("dk", "dv"))
+    return B * N * max(_dz_layout(spec, tails).count, 1) * CTA * bq * jnp.dtype(dt).itemsize
+
+
+def _dz_tiles_fit(spec: AttentionSpec, tails: Tails, B: int, N: int, dt) -> bool:
     """Whether the backward takes dq from dz^T tiles (`_dq_from_dz`): at `_DZ_TILES_HEAD_DIMS`
-    (one dK/dV launch) while the B*N tiles of [S, T] (padded lengths) fit `_DZ_TILES_MAX_BYTES`."""
+    (one dK/dV launch), without a left window (`_DZ_TILES_WINDOWED`), while the B*N heads' packed tiles fit
+    `_DZ_TILES_MAX_BYTES`. Under a window the tiles' stores slowed the dK/dV kernel (one CTA per
+    tile there) by more than the dq kernel saved: window (4096, 0) causal B1 T16384 N32, kernels
+    7.103 against 6.635 ms (dK/dV 3.984 against 2.970; H100,
+    benchmarks/results/attention_H100_2026-11-26_packed_dz_tiles_window.json)."""
     return (tails.head_dim in _DZ_TILES_HEAD_DIMS and tails.value_head_dim <= tails.head_dim
-            and B * N * tails.S_padded * tails.T_padded * jnp.dtype(dt).itemsize <= _DZ_TILES_MAX_BYTES)
+            and (spec.window_left is None or _DZ_TILES_WINDOWED)
+            and _dz_tiles_bytes(spec, tails, B, N, dt) <= _DZ_TILES_MAX_BYTES)
 
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
@@ -983,7 +1013,7 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     rows = slice(0, tails.T)
     xla_delta = lambda: tails.row_stats(
         jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(F32), out[:, rows].astype(F32)) - dlse)
-    if _dz_tiles_fit(tails, q.shape[0], q.shape[2], dt):  # dK/dV first, then dq from its dz^T tiles
+    if _dz_tiles_fit(spec, tails, q.shape[0], q.shape[2], dt):  # dK/dV first, then dq from its dz^T tiles
         delta = xla_delta()
         dk, dv, dz = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, dz_tiles=True)
         dq = _dq_from_dz(q, k, dz, *segments, spec, tails)

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -116,6 +117,33 @@ class Band:
         if self.cols is not None:
             rules.append(y < self.cols - y0)
         return functools.reduce(jnp.logical_and, rules) if rules else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedTiles:
+    """Where the (row tile, column block) pairs of a band lie in an array that holds only those
+    pairs: pair (r, j) of row tile r (128 rows) and its visible column block j (`Band.blocks`,
+    blocks of blk columns) is entry base[r] + j of the packed axis, which has `count` entries.
+    Under causal masking that is about half of all pairs; under a window, the band's width.
+    Segment ids only narrow a tile's blocks (`within_reach`), so their pairs keep these places."""
+
+    base: np.ndarray  # [row tiles] int32: entry of the tile's block 0 (its first visible block lo sits at base + lo)
+    count: int
+
+    @classmethod
+    def of(cls, band: Band, tiles: int, blk: int, length: int) -> "PackedTiles":
+        with jax.ensure_compile_time_eval():
+            lo, _, _, hi = jax.vmap(lambda r: band.blocks(r * CTA, CTA, blk, length))(jnp.arange(tiles, dtype=jnp.int32))
+            lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+        steps = hi - lo
+        first = np.concatenate([[0], np.cumsum(steps)[:-1]])
+        return cls((first - lo).astype(np.int32), int(steps.sum()))
+
+    def entry(self, base_ref, r, j):
+        """Packed entry of pair (r, j), read from `base_ref` (the kernel's copy of `base`), clamped into
+        the array: a pair outside the band (a block one warpgroup never wrote) reads some entry
+        that the caller then ignores."""
+        return jnp.minimum(jnp.maximum(base_ref[r] + j, 0), max(self.count, 1) - 1)
 
 
 def three_loops(lo, full_lo, full_hi, hi, step, carry, band: Band, segmented: bool = False):
