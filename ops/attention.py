@@ -27,8 +27,9 @@ _PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "
 # pallas_gpu's kernel head dims (`_HEAD_DIMS` in kernels/pallas/gpu/attention.py, which //ops cannot
 # import: the kernels depend on it; test_pallas_gpu_head_dims_match keeps the two equal).
 _PALLAS_GPU_HEAD_DIMS = (64, 96, 128, 192, 256)
-# pallas_gpu's budget for its backward's dz^T tiles (`_DZ_TILES_MAX_BYTES` there; the same test keeps them equal).
-_PALLAS_GPU_DZ_TILES_MAX_BYTES = 4 << 30
+# Causal GQA at head_dim 128 tries pallas_gpu first while a [B, N, T, S] array of 16-bit scores
+# would fit this (`_pallas_gpu_gqa_first`): the lengths where it was measured faster than cuDNN.
+_PALLAS_GPU_GQA_MAX_SCORES_BYTES = 4 << 30
 
 
 def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
@@ -83,7 +84,7 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
     more power per call and runs at a lower clock under the power cap,
     results/attention_power_fwd_bwd_H100.json). Since its backward takes dq from the dK/dV kernel's
     dz^T tiles (5 matmuls, `_DZ_TILES_HEAD_DIMS` in kernels/pallas/gpu/attention.py), head_dim 128
-    under GQA goes to pallas_gpu too, while those tiles fit (`_PALLAS_GPU_DZ_TILES_MAX_BYTES`):
+    under GQA goes to pallas_gpu too, up to Llama-3-8B's length (`_pallas_gpu_gqa_first`):
     Llama-3-8B's B1 T8192 N32 KV8 on an H100, fwd+bwd 1.09x cuDNN in tune_attention.py's rounds
     (3.856 against 4.214 ms, results/attention_H100_2026-11-26_pallas_gpu_dq_from_dz_tiles_gqa.json)
     and 1.02x inside a program of 4 layers (3.847 against 3.940 ms per call,
@@ -99,23 +100,25 @@ def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
         return ()
     if q.shape[3] in (64, 96, 192):
         return ("pallas_gpu",)
-    if q.shape[3] == 128 and q.shape[-2] > k.shape[-2] and _pallas_gpu_dz_tiles_fit(q, k):
+    if q.shape[3] == 128 and q.shape[-2] > k.shape[-2] and _pallas_gpu_gqa_first(q, k):
         return ("pallas_gpu",)
     return ()
 
 
-def _pallas_gpu_dz_tiles_fit(q, k) -> bool:
-    """Whether pallas_gpu's dz^T tiles of a causal call without a window fit its budget
-    (`_dz_tiles_fit` in kernels/pallas/gpu/attention.py): per (batch, head), one 128 x 64 tile for
-    each pair of 128 keys and 64 queries that causal masking lets meet (query t sees key s iff
-    s <= t + S - T; lengths rounded up to 128), the tiles `_dkv` packs (`PackedTiles`)."""
-    T, S = q.shape[-3], k.shape[-3]
+def _pallas_gpu_gqa_first(q, k) -> bool:
+    """Whether a causal GQA call at head_dim 128 is short enough to try pallas_gpu first: while
+    [B, N, T, S] in 16 bits (lengths rounded up to 128) fits `_PALLAS_GPU_GQA_MAX_SCORES_BYTES`,
+    4 GiB, as at Llama-3-8B's B1 T8192 N32, where its kernels (with the dz^T backward, which every
+    such call takes: `_dz_tiles_fit` in kernels/pallas/gpu/attention.py packs the tiles into about
+    half of that) took 3.505 ms against cuDNN's 3.661 (H100, CUPTI,
+    results/attention_H100_2026-11-26_packed_dz_tiles_gqa.json). Longer calls stay on cuDNN: at
+    B1 T11264 N32 KV8, where the packed tiles still fit, pallas_gpu's kernels took 7.063 ms against
+    cuDNN's 6.755 (1.02x only in tools/bench.py-style rounds,
+    results/attention_H100_2026-11-26_packed_dz_tiles_gqa_T11264.json)."""
     whole = lambda n: -(-n // 128) * 128
-    query_blocks = whole(T) // 64
-    pairs = sum(query_blocks - min(max(128 * key_tile + T - S, 0), whole(T)) // 64 for key_tile in range(whole(S) // 128))
     batch_heads = math.prod(q.shape[:-3]) * q.shape[-2]
-    nbytes = batch_heads * max(pairs, 1) * 128 * 64 * jnp.dtype(q.dtype).itemsize
-    return nbytes <= _PALLAS_GPU_DZ_TILES_MAX_BYTES
+    nbytes = batch_heads * whole(q.shape[-3]) * whole(k.shape[-3]) * 2
+    return nbytes <= _PALLAS_GPU_GQA_MAX_SCORES_BYTES
 
 
 def _pallas_gpu_pads_head_dims(args) -> bool:
