@@ -10,7 +10,6 @@ with that reason (visible in the report), it never compares wrong numbers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -385,43 +384,16 @@ def test_triton_backward_dq_from_dz_tiles_and_from_its_dq_programs(case, path, m
     _check("triton", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
 
 
-@pytest.mark.parametrize("T,S,left,right", [(4096, 4096, -1, 0), (4000, 4096, -1, 0), (1000, 4096, -1, 0),
-                                             (4096, 1000, -1, 0), (4096, 4096, -1, -1), (16384, 16384, 4096, 0),
-                                             (300, 136, 50, 0), (500, 700, 40, 30)])
-def test_triton_dz_tiles_are_packed(T, S, left, right):
-    """Triton's packed dz^T tiles (`dz_tiles_layout`): every (key block, query block) pair with a
-    visible (query, key) has an entry, no two pairs share one, and causal T = S stores about half
-    of [S, T]."""
+def test_triton_dz_tiles_extent_rounds_to_blocks_and_keeps_the_budget():
     from forgeax.kernels.triton import attention as triton_attention
 
     cfg = triton_attention.AttentionConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
-    layout = triton_attention.dz_tiles_layout(1, 1, T, S, jnp.bfloat16, cfg, left, right)
-    kb, qb = layout.key_block, layout.query_block
-    t, s = np.arange(T)[None, :], np.arange(S)[:, None]
-    d = t + (S - T) - s  # key s is d keys left of query t's aligned position
-    sees = (d >= (-right if right >= 0 else -S - T)) & (d <= (left if left >= 0 else S + T))
-    sees = np.pad(sees, ((0, -S % kb), (0, -T % qb)))
-    pairs = sees.reshape(-1, kb, sees.shape[1] // qb, qb).any(axis=(1, 3))  # [key blocks, query blocks]
-    entries = [layout.base[r] + j for r, j in zip(*np.nonzero(pairs))]
-    assert len(set(entries)) == len(entries) and min(entries) >= 0 and max(entries) < layout.count
-    if (T, S, left, right) == (4096, 4096, -1, 0):
-        assert layout.count == 32 * 33 // 2
-
-
-def test_triton_dz_tiles_keep_the_budget():
-    from forgeax.kernels.triton import attention as triton_attention
-
-    cfg = triton_attention.AttentionConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
-    layout = functools.partial(triton_attention.dz_tiles_layout, cfg=cfg)
-    assert layout(4, 32, 4096, 4096, jnp.bfloat16, left=-1, right=-1).count == 32 * 32  # exactly 4 GiB
-    assert layout(4, 32, 4096, 4096, jnp.float32, left=-1, right=-1) is None
-    assert layout(4, 32, 4097, 4096, jnp.bfloat16, left=-1, right=-1) is None
-    assert layout(7, 32, 4096, 4096, jnp.bfloat16, left=-1, right=0) is not None  # causal: about half of [S, T]
-    assert layout(8, 32, 4096, 4096, jnp.bfloat16, left=-1, right=0) is None
-    assert layout(1, 1, 65536, 65536, jnp.bfloat16, left=-1, right=-1) is None  # int32 offsets inside a head
-    assert layout(1, 1, 4096, 4096, jnp.bfloat16, left=-1, right=0) is not None
-    nested = dataclasses.replace(cfg, block_m1=128, block_m2=64)  # dq blocks must hold whole dK/dV blocks
-    assert triton_attention.dz_tiles_layout(1, 1, 4096, 4096, jnp.bfloat16, nested, -1, 0) is None
+    extent = functools.partial(triton_attention.dz_tiles_extent, cfg=cfg)
+    assert extent(1, 1, 1000, 130, jnp.bfloat16) == (256, 1024)  # keys to 128s, queries to 128s
+    assert extent(4, 32, 4096, 4096, jnp.bfloat16) == (4096, 4096)  # exactly 4 GiB
+    assert extent(4, 32, 4096, 4096, jnp.float32) is None
+    assert extent(4, 32, 4097, 4096, jnp.bfloat16) is None
+    assert extent(1, 1, 65536, 65536, jnp.bfloat16) is None  # int32 offsets inside a head
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 132])

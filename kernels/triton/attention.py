@@ -53,7 +53,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import triton
 import triton.language as tl
 
@@ -388,26 +387,17 @@ def _row_stats(LSE, DELTA, bn, t, T: tl.constexpr):
 
 
 @triton.jit
-def _dzt_offsets(DZB, bn, s, t, key0, query0, KB: tl.constexpr, QB: tl.constexpr, HEAD: tl.constexpr):
-    """Offsets in the packed dz^T tiles (`dz_tiles_layout`) of keys s and queries t (broadcast
-    shapes) inside the pair of KB keys holding key0 and QB queries holding query0 of head bn:
-    entry DZB[key0 // KB] + query0 // QB of the head's HEAD elements, each [KB, QB]."""
-    entry = tl.load(DZB + key0 // KB) + query0 // QB
-    return bn.to(tl.int64) * HEAD + entry * (KB * QB) + (s - key0 // KB * KB) * QB + (t - query0 // QB * QB)
-
-
-@triton.jit
-def _dkdv_step(dk, dv, k, v, start, s, key0, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG, DZT, DZB,
+def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG, DZT,
                T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
                LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
                BIAS_SN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_SB: tl.constexpr, MASK_SN: tl.constexpr,
                HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr, KEEP_SCALE: tl.constexpr,
                BM: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr, DZT_OUT: tl.constexpr,
-               KB: tl.constexpr, QB: tl.constexpr, DZT_HEAD: tl.constexpr):
-    """One query block's contribution to dk, dv of the key block at key0; tiles are [keys,
-    queries]. DZT_OUT: the tile's dz^T (with the soft-cap factor, in q's dtype: what the dk
-    product consumes) also goes to DZT, packed (`dz_tiles_layout`), for `_dq_kernel`."""
+               SP: tl.constexpr, TP: tl.constexpr):
+    """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]. DZT_OUT:
+    the tile's dz^T (with the soft-cap factor, in q's dtype: what the dk product consumes) also
+    goes to DZT [B*N, SP, TP], for `_dq_kernel`."""
     t = start + tl.arange(0, BM)
     qt = _head_rows(Q, b.to(tl.int64) * (T * N * H) + n * H, t, tl.arange(0, HP), N * H, T, H, HP, True, True)
     do = _head_rows(DO, b.to(tl.int64) * (T * N * HV) + n * HV, t, tl.arange(0, HVP), N * HV, T, HV, HVP, True, False)
@@ -426,8 +416,8 @@ def _dkdv_step(dk, dv, k, v, start, s, key0, b, n, h_bn, Q, DO, LSE, DELTA, BIAS
     if CAP > 0:
         dzt = dzt * (1.0 - tht * tht)
     dzt = dzt.to(qt.dtype)
-    if DZT_OUT:  # the block lies inside one entry, rows and columns past S, T included (`dz_tiles_layout`)
-        tl.store(DZT + _dzt_offsets(DZB, b * N + n, s[:, None], t[None, :], key0, start, KB, QB, DZT_HEAD), dzt)
+    if DZT_OUT:  # every row and column lies inside DZT's padded extent (`backward`)
+        tl.store(DZT + (b * N + n).to(tl.int64) * (SP * TP) + s[:, None] * TP + t[None, :], dzt)
     dk += _dot(dzt, tl.trans(qt), DOT)
     return dk, dv
 
@@ -488,7 +478,7 @@ def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIA
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DZB, DQ, DK, DV, DZ, DZT,
+def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DQ, DK, DV, DZ, DZT,
                 T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
                 HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
                 CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -496,7 +486,7 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
                 MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
                 KEEP_SCALE: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr,
                 BN2: tl.constexpr, DOT: tl.constexpr, DZ_OUT: tl.constexpr, DZT_OUT: tl.constexpr,
-                QB: tl.constexpr, DZT_HEAD: tl.constexpr):
+                SP: tl.constexpr, TP: tl.constexpr):
     G: tl.constexpr = N // KH
     pid = tl.program_id(0)
     bn = tl.program_id(1)
@@ -532,10 +522,10 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
                 if DROP:
                     h_bn = _head_hash(SEED, b, n, N)
                 for start in range(lo, hi, BM1):
-                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, pid * BN1, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK,
-                                        QSEG, KVSEG, DZT, DZB, T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT,
-                                        HAS_BIAS, BIAS_SB, BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH,
-                                        KEEP_SCALE, BM1, DOT, True, DZT_OUT, BN1, QB, DZT_HEAD)
+                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
+                                        DZT, T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
+                                        BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1,
+                                        DOT, True, DZT_OUT, SP, TP)
             tl.store(DK + k_base + s[:, None] * (KH * H) + h[None, :], (dk * SCALE).to(DK.dtype.element_ty), mask=k_mask)
             tl.store(DV + v_base + s[:, None] * (KH * HV) + hv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
     elif not DZT_OUT:  # (with DZT_OUT the grid has no dQ programs: `_dq_kernel` follows)
@@ -581,15 +571,14 @@ def _store_dq(DQ, dq, b, n, t, h, T: tl.constexpr, N: tl.constexpr, H: tl.conste
 
 
 @triton.jit
-def _dq_tile(dq, t, m0, start, b, bn, K, k_base, QSEG, KVSEG, DZT, DZB, T: tl.constexpr, S: tl.constexpr,
+def _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T: tl.constexpr, S: tl.constexpr,
              KH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
-             HAS_SEG: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, QB: tl.constexpr, DZT_HEAD: tl.constexpr,
-             DOT: tl.constexpr, MASKED: tl.constexpr):
-    """dq + dz k for the key block at `start`, dz read from DZT's packed dz^T tile. In masked tiles
-    only the allowed pairs are read (the dK/dV programs wrote every block of queries that holds
-    one); rows past T may read what no program wrote, and are never stored."""
+             HAS_SEG: tl.constexpr, BN: tl.constexpr, TP: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
+    """dq + dz k for the key block at `start`, dz read from DZT's dz^T tile. In masked tiles only
+    the allowed pairs are read (the dK/dV programs wrote every tile that holds one, and nothing
+    else); rows past T may read what no program wrote, and are never stored."""
     s = start + tl.arange(0, BN)
-    offsets = _dzt_offsets(DZB, bn, s[None, :], t[:, None], start, m0, KB, QB, DZT_HEAD)
+    offsets = dzt_base + s[None, :] * TP + t[:, None]
     if MASKED:
         ok = _allowed(t[:, None], s[None, :], b, QSEG, KVSEG, T, S, LEFT, RIGHT, HAS_SEG)
         dz = tl.load(DZT + offsets, mask=ok, other=0.0)
@@ -600,14 +589,13 @@ def _dq_tile(dq, t, m0, start, b, bn, K, k_base, QSEG, KVSEG, DZT, DZB, T: tl.co
 
 
 @triton.jit
-def _dq_kernel(K, QSEG, KVSEG, QRANGE, DZT, DZB, DQ, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
+def _dq_kernel(K, QSEG, KVSEG, QRANGE, DZT, DQ, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
                KH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
-               RIGHT: tl.constexpr, HAS_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr,
-               DZT_HEAD: tl.constexpr, DOT: tl.constexpr):
+               RIGHT: tl.constexpr, HAS_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SP: tl.constexpr,
+               TP: tl.constexpr, DOT: tl.constexpr):
     """dq = scale * dz k for a block of BM queries, over the key blocks of `_key_blocks`, from the
-    packed dz^T tiles (`dz_tiles_layout`, entries of KB keys x BM queries) `_bwd_kernel` wrote with
-    DZT_OUT: one matmul per tile where its own dQ programs recompute q k^T and dO v^T first (5
-    matmuls per tile in all instead of 7)."""
+    dz^T tiles [B*N, SP, TP] `_bwd_kernel` wrote with DZT_OUT: one matmul per tile where its own
+    dQ programs recompute q k^T and dO v^T first (5 matmuls per tile in all instead of 7)."""
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM  # the last (heaviest) query block first
     bn = tl.program_id(1)
     b = bn // N
@@ -615,17 +603,18 @@ def _dq_kernel(K, QSEG, KVSEG, QRANGE, DZT, DZB, DQ, T: tl.constexpr, S: tl.cons
     t = m0 + tl.arange(0, BM)
     h = tl.arange(0, HP)
     k_base = b.to(tl.int64) * (S * KH * H) + (n // (N // KH)) * H
+    dzt_base = bn.to(tl.int64) * (SP * TP)
     dq = tl.zeros([BM, HP], dtype=tl.float32)
     lo, a, c, hi = _query_block_keys(m0, b, QRANGE, BM, BN, T, S, LEFT, RIGHT, HAS_SEG)
     for start in range(lo, a, BN):
-        dq = _dq_tile(dq, t, m0, start, b, bn, K, k_base, QSEG, KVSEG, DZT, DZB, T, S, KH, H, HP, LEFT, RIGHT,
-                      HAS_SEG, BN, KB, BM, DZT_HEAD, DOT, True)
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+                      BN, TP, DOT, True)
     for start in range(a, c, BN):
-        dq = _dq_tile(dq, t, m0, start, b, bn, K, k_base, QSEG, KVSEG, DZT, DZB, T, S, KH, H, HP, LEFT, RIGHT,
-                      HAS_SEG, BN, KB, BM, DZT_HEAD, DOT, False)
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+                      BN, TP, DOT, False)
     for start in range(c, hi, BN):
-        dq = _dq_tile(dq, t, m0, start, b, bn, K, k_base, QSEG, KVSEG, DZT, DZB, T, S, KH, H, HP, LEFT, RIGHT,
-                      HAS_SEG, BN, KB, BM, DZT_HEAD, DOT, True)
+        dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
+                      BN, TP, DOT, True)
     _store_dq(DQ, dq, b, n, t, h, T, N, H, SCALE)
 
 
@@ -741,44 +730,16 @@ _DZ_TILES_PADDED_HEAD_DIMS = (128,)
 _DZ_TILES_MAX_BYTES = 4 << 30
 
 
-@dataclasses.dataclass(frozen=True)
-class DzTiles:
-    """Where the dK/dV programs put each dz^T tile for `_dq_kernel`: one entry [key_block keys,
-    query_block queries] per pair of a key block (the dK/dV programs' block_n1) and a block of
-    query_block queries (the dq kernel's block_m2, a multiple of the dK/dV query block) that the
-    position rule lets meet; entries base[key block] + query block, in key-block order. A causal
-    call stores about half of [S, T]; segment ids only narrow the blocks, which keep these places."""
-
-    base: np.ndarray  # [key blocks] int32
-    count: int  # entries per (batch, head)
-    key_block: int
-    query_block: int
-
-    @property
-    def head_elements(self) -> int:
-        return max(self.count, 1) * self.key_block * self.query_block
-
-
-def dz_tiles_layout(B: int, N: int, T: int, S: int, dtype, cfg: AttentionConfig, left: int, right: int) -> DzTiles | None:
-    """The packed dz^T tiles (`DzTiles`) of a call whose window is (left, right) keys (-1:
-    unbounded), when the B*N heads' tiles fit `_DZ_TILES_MAX_BYTES` (and int32 offsets inside a
-    head) and the blocks nest; else None: dq is recomputed by the dQ programs. The query range of
-    each key block is `_query_blocks`'s, at the dK/dV programs' query block."""
-    kb, qb, bm = cfg.block_n1, cfg.block_m2, cfg.block_m1
-    if qb % bm or kb % cfg.block_n2:
+def dz_tiles_extent(B: int, N: int, T: int, S: int, dtype, cfg: AttentionConfig) -> tuple[int, int] | None:
+    """(rows, columns) of each head's dz^T tiles [S, T] rounded up to whole blocks of both
+    backward halves, when the B*N of them fit `_DZ_TILES_MAX_BYTES` (and int32 offsets inside
+    a head); else None: dq is recomputed by the dQ programs."""
+    rows = triton.cdiv(S, cfg.block_n1) * cfg.block_n1
+    block = max(cfg.block_m1, cfg.block_m2)
+    cols = triton.cdiv(T, block) * block
+    if rows * cols >= 2**31 or B * N * rows * cols * jnp.dtype(dtype).itemsize > _DZ_TILES_MAX_BYTES:
         return None
-    key0 = np.arange(triton.cdiv(S, kb), dtype=np.int64) * kb
-    lo, hi = np.zeros_like(key0), np.full_like(key0, T)
-    if right >= 0:
-        lo = np.maximum(key0 - (S - T + right), 0) // bm * bm
-    if left >= 0:
-        hi = np.minimum(hi, key0 + (kb - S + T + left))
-    first_block = lo // qb
-    steps = np.where(hi > lo, -(-hi // qb) - first_block, 0)
-    layout = DzTiles((np.cumsum(steps) - steps - first_block).astype(np.int32), int(steps.sum()), kb, qb)
-    if layout.head_elements >= 2**31 or B * N * layout.head_elements * jnp.dtype(dtype).itemsize > _DZ_TILES_MAX_BYTES:
-        return None
-    return layout
+    return rows, cols
 
 
 def _pow2(x: int) -> int:
@@ -879,30 +840,30 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
     # A bias of the full [B, N] extent takes dz from the dQ programs; a broadcast one its own kernel.
     dz_out = bias is not None and tuple(bias.shape[:2]) == (B, N)
     dz_shape = (B, N, T, S) if dz_out else (1,)
-    tiles = None
+    dz_tiles = None
     if bias is None and max(statics["HP"], statics["HVP"]) in _DZ_TILES_PADDED_HEAD_DIMS:
-        tiles = dz_tiles_layout(B, N, T, S, q.dtype, cfg, statics["LEFT"], statics["RIGHT"])
-    dzt_out = tiles is not None
-    tiles_base = jnp.asarray(tiles.base if dzt_out else np.zeros(1, np.int32))
+        dz_tiles = dz_tiles_extent(B, N, T, S, q.dtype, cfg)
+    dzt_out = dz_tiles is not None
+    rows_p, cols_p = dz_tiles or (0, 0)
     optional = _optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
                                 query_block=cfg.block_m2, key_block=cfg.block_n1)
     dq, dk, dv, dz, dzt = triton_call(
-        q, k, v, *optional, dout.astype(q.dtype), lse, delta, tiles_base,
+        q, k, v, *optional, dout.astype(q.dtype), lse, delta,
         kernel=_bwd_kernel,
         out_shape=(jax.ShapeDtypeStruct((1,) if dzt_out else q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dz_shape, jnp.float32),
-                   jax.ShapeDtypeStruct((B * N * tiles.head_elements,) if dzt_out else (1,), q.dtype)),
+                   jax.ShapeDtypeStruct((B * N * rows_p * cols_p,) if dzt_out else (1,), q.dtype)),
         grid=(triton.cdiv(S, cfg.block_n1) + (0 if dzt_out else triton.cdiv(T, cfg.block_m2)), B * N),
         num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
         BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, DZ_OUT=dz_out, DZT_OUT=dzt_out,
-        QB=tiles.query_block if dzt_out else 1, DZT_HEAD=tiles.head_elements if dzt_out else 0, **statics,
+        SP=rows_p, TP=cols_p, **statics,
     )
     if dzt_out:
         _, _, qseg, kvseg, _, qrange, _ = optional
         dq = triton_call(
-            k, qseg, kvseg, qrange, dzt, tiles_base, kernel=_dq_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            k, qseg, kvseg, qrange, dzt, kernel=_dq_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
             grid=(triton.cdiv(T, cfg.block_m2), B * N), num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-            BM=cfg.block_m2, BN=cfg.block_n2, KB=tiles.key_block, DZT_HEAD=tiles.head_elements,
+            BM=cfg.block_m2, BN=cfg.block_n2, SP=rows_p, TP=cols_p,
             **{name: statics[name] for name in ("T", "S", "N", "KH", "H", "HP", "SCALE", "LEFT", "RIGHT", "HAS_SEG",
                                                 "DOT")},
         )
