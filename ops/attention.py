@@ -109,7 +109,7 @@ def _pallas_gpu_gqa_first(q, k) -> bool:
     """Whether a causal GQA call at head_dim 128 is short enough to try pallas_gpu first: while
     [B, N, T, S] in 16 bits (lengths rounded up to 128) fits `_PALLAS_GPU_GQA_MAX_SCORES_BYTES`,
     4 GiB, as at Llama-3-8B's B1 T8192 N32, where its kernels (with the dz^T backward, which every
-    such call takes: `_dz_tiles_fit` in kernels/pallas/gpu/attention.py packs the tiles into about
+    such call takes: `_dz_tiles` in kernels/pallas/gpu/attention.py packs the tiles into about
     half of that) took 3.505 ms against cuDNN's 3.661 (H100, CUPTI,
     results/attention_H100_2026-11-26_packed_dz_tiles_gqa.json). Longer calls stay on cuDNN: at
     B1 T11264 N32 KV8, where the packed tiles still fit, pallas_gpu's kernels took 7.063 ms against

@@ -857,7 +857,7 @@ def test_pallas_gpu_head_dims_match():
                                      (3, 8192, 4096, 32), (1, 11264, 11264, 32), (1, 11600, 11600, 32)])
 def test_pallas_gpu_gqa_first_only_where_its_dz_tiles_fit(B, T, S, N):
     """The training order tries pallas_gpu first for causal GQA at head_dim 128 only on calls whose
-    backward takes the dz^T tiles (`_dz_tiles_fit`), the backward its measurements were of; the
+    backward takes the dz^T tiles (`_dz_tiles`), the backward its measurements were of; the
     tiles (packed, `_dz_layout`) also fit some longer calls, which stay on cuDNN."""
     from forgeax.kernels.common.attention import AttentionSpec
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
@@ -866,7 +866,7 @@ def test_pallas_gpu_gqa_first_only_where_its_dz_tiles_fit(B, T, S, N):
     q = jax.ShapeDtypeStruct((B, T, N, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, S, 8, 128), jnp.bfloat16)
     spec = AttentionSpec(causal=True)
-    kernels = pallas_gpu_attention._dz_tiles_fit(spec, pallas_gpu_attention._tails(q, kv, kv), B, N, q.dtype)
+    kernels = pallas_gpu_attention._dz_tiles(spec, pallas_gpu_attention._tails(q, kv, kv), B, N, q.dtype) is not None
     if _pallas_gpu_gqa_first(q, kv):
         assert kernels
     assert _pallas_gpu_gqa_first(q, kv) == (B * N * -(-T // 128) * -(-S // 128) <= 4 * 2**30 // (2 * 128 * 128))
@@ -879,12 +879,11 @@ def test_pallas_gpu_dz_tiles_are_packed(T, S, window):
     once: entries [base[r] + lo, base[r] + hi) of key tile r are consecutive and disjoint, and
     they cover exactly the pairs with a visible (query, key) inside the padded lengths (a causal
     call stores about half of [S, T])."""
+    from forgeax.kernels.common.attention import AttentionSpec
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
 
     q = jax.ShapeDtypeStruct((1, T, 1, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
-    from forgeax.kernels.common.attention import AttentionSpec
-
     spec = AttentionSpec(causal=True, window_left=window)
     tails = pallas_gpu_attention._tails(q, kv, kv)
     layout = pallas_gpu_attention._dz_layout(spec, tails)
@@ -900,7 +899,7 @@ def test_pallas_gpu_dz_tiles_are_packed(T, S, window):
     if window is None and T == S:
         assert layout.count / pairs.size < 0.52
     B, N = 1, 32  # small enough to fit: only the window decides
-    assert pallas_gpu_attention._dz_tiles_fit(spec, tails, B, N, jnp.bfloat16) == (window is None)
+    assert (pallas_gpu_attention._dz_tiles(spec, tails, B, N, jnp.bfloat16) is not None) == (window is None)
 
 
 def test_pallas_gpu_kernel_head_dims():

@@ -41,7 +41,7 @@ Forward (one CTA = 128 query rows of one (b, n); 3 warpgroups):
     order with equal weights (`_PERSISTENT_SEGMENTED_HEAD_DIMS`).
 
 Backward (lse * log2(e) is a plain jnp op). At H = 128 without a left window, while the dz^T
-tiles fit 4 GiB (`_DZ_TILES_HEAD_DIMS`, `_DZ_TILES_MAX_BYTES`, `_dz_tiles_fit`): delta from XLA,
+tiles fit 4 GiB (`_DZ_TILES_HEAD_DIMS`, `_DZ_TILES_MAX_BYTES`, `_dz_tiles`): delta from XLA,
 then the dK/dV kernel below, which also TMA-stores every dz^T tile it computes (in flight beside
 its dk wgmma), packed to the (128 keys, 64 queries) pairs the band lets meet (`_dz_layout`:
 about half of [B, N, S, T] under causal masking), then `_dq_from_dz`: dq = scale * dz k, one
@@ -165,7 +165,7 @@ _DELTA_IN_DQ_KERNEL = True
 # causal B1 N32 up to T 11264 fits 4 GiB); otherwise the dQ kernel recomputes them.
 _DZ_TILES_HEAD_DIMS = (128,)
 _DZ_TILES_MAX_BYTES = 4 << 30
-_DZ_TILES_WINDOWED = False  # with a left window too (measured slower: `_dz_tiles_fit`)
+_DZ_TILES_WINDOWED = False  # with a left window too (measured slower: `_dz_tiles`)
 _DQ_FROM_DZ_BLOCK_KV = 64
 _PERSISTENT_DQ_FROM_DZ_HEAD_DIMS = ()
 # dK/dV step order: FA3's (both score wgmmas, then both gradient wgmmas) only at H = 64, where it
@@ -537,7 +537,7 @@ def _dkv_query_block(H: int, parts: tuple[str, ...]) -> int:
 
 
 def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: Tails,
-         parts: tuple[str, ...] = ("dk", "dv"), dz_tiles: bool = False):
+         parts: tuple[str, ...] = ("dk", "dv"), dz_tiles: PackedTiles | None = None):
     """The `parts` of (dk [B, S, K, H], dv [B, S, K, Hv]): one CTA per 128 keys of one (b, kv
     head), the accumulators in registers, query blocks of `_dkv_query_block` rows streamed.
 
@@ -552,8 +552,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     (benchmarks/ATTENTION.md; the last one's code is in commit 8589a0f). So dq stays a separate,
     deterministic kernel: `_dq`, or `_dq_from_dz` from the tiles below.
 
-    dz_tiles (with dk): each step's dz^T tile (q's dtype, what the dk product consumes) also goes
-    out, into [B, N, pairs, 128 keys, 64 queries] packed by `_dz_layout` (each warpgroup writes
+    dz_tiles (with dk; `_dz_tiles`'s layout): each step's dz^T tile (q's dtype, what the dk product
+    consumes) also goes out, into [B, N, pairs, 128 keys, 64 queries] packed by it (each warpgroup writes
     its 64 keys' half), for `_dq_from_dz`, through a double-buffered SMEM
     tile per warpgroup and a TMA store (storing the registers straight to global memory made
     the kernel 1.5x as slow: 2.968 against 1.956 ms, H200).
@@ -572,12 +572,13 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     v_tile = want_dk or Hv != H
     widths = {"dk": H, "dv": Hv}
     row_terms = (2 if want_dk else 1) + (1 if segmented else 0)
-    assert want_dk or not dz_tiles
-    dz_bytes = 2 * CTA * bq * item if dz_tiles else 0
+    packed = dz_tiles
+    assert want_dk or packed is None
+    assert packed is None or packed.blk == bq
+    dz_bytes = 2 * CTA * bq * item if packed else 0
     stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4,
                      CTA * (H + (Hv if v_tile else 0)) * item + dz_bytes)
     band = Band.keys_by_query(spec, tails)
-    packed = _dz_layout(spec, tails) if dz_tiles else None
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
 
@@ -593,7 +594,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                dz_base_ref, *refs):
         out_refs, refs = dict(zip(parts, refs[:len(parts)])), refs[len(parts):]
-        dz_ref, refs = (refs[0], refs[1:]) if dz_tiles else (None, refs)
+        dz_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dz_smem, stage, row_ids_smem, col_ids_smem,
          kv_bar, loaded, free) = refs
         wg = lax.axis_index("wg")
@@ -659,13 +660,13 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                                 plgpu.copy_smem_to_gmem(buf, dz_ref.at[tl.b, tl.n * G + g, entry, pl.ds(wg * ROWS, ROWS)])
 
                             if fa3_order:
-                                if dz_tiles:
+                                if packed:
                                     store_dz()
                                 acc["dv"], acc["dk"] = mma.update([(acc["dv"], pt.astype(dt), do_smem.at[slot]),
                                                                    (acc["dk"], dst, q_smem.at[slot])])
                             else:  # the dz^T store runs while the dk wgmma is in flight
                                 acc["dk"] = mma(dst, q_smem.at[slot], (ROWS, H), acc=acc["dk"], a_in_regs=True,
-                                                after_issue=store_dz if dz_tiles else None)
+                                                after_issue=store_dz if packed else None)
                         ring.release(slot, i, total)
                         return tuple(acc[name] for name in parts)
 
@@ -719,18 +720,18 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
         plgpu.SMEM((stages, bq, Hv), dt, transforms=tr),
         plgpu.SMEM((stages, bq), F32),
         plgpu.SMEM((stages, bq), F32) if want_dk else None,
-        plgpu.SMEM((WGS, 2, ROWS, bq), dt, transforms=tr) if dz_tiles else None,
+        plgpu.SMEM((WGS, 2, ROWS, bq), dt, transforms=tr) if packed else None,
         *_staging_and_segment_buffers(dt, bq, stages, interpret, segmented),
     ]
     # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
     bars = _backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
                               segmented=segmented)
     out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts) + (
-        (jax.ShapeDtypeStruct((B, N, max(packed.count, 1), CTA, bq), dt),) if dz_tiles else ())
+        (jax.ShapeDtypeStruct((B, N, packed.entries, CTA, bq), dt),) if packed else ())
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
     return launch(name, kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *segment_inputs(kv_segment_ids, q_segment_ids),
-        jnp.asarray(packed.base if dz_tiles else np.zeros(1, np.int32)))
+        jnp.asarray(packed.base if packed else np.zeros(1, np.int32)))
 
 
 def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: Tails, *,
@@ -878,8 +879,8 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
         q, k, v, do, out, lse2, row_term, schedule.input(), *segment_inputs(q_segment_ids, kv_segment_ids))
 
 
-def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
-    """dq = scale * dz k [B, T, N, H] from the packed dz^T tiles `_dkv` wrote (dz_tiles, `_dz_layout`):
+def _dq_from_dz(q, k, dz, packed: PackedTiles, q_segment_ids, kv_segment_ids, spec, tails: Tails):
+    """dq = scale * dz k [B, T, N, H] from the dz^T tiles `_dkv` wrote, packed as `packed` (`_dz_tiles`):
     one CTA per 128 query rows of one (b, n), blocks of `_DQ_FROM_DZ_BLOCK_KV` keys streamed with
     their dz^T tiles (one per warpgroup's 64 queries), one wgmma per step where `_dq` also recomputes q k^T and
     dO v^T. The CTA's key blocks (`Band.forward`) may hold tiles `_dkv` never wrote for one
@@ -895,7 +896,7 @@ def _dq_from_dz(q, k, dz, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     bkv = _DQ_FROM_DZ_BLOCK_KV
     segmented = q_segment_ids is not None
     stages = _stages(bkv * (H + WGS * ROWS) * item, WGS * ROWS * H * item, cap=4)
-    band, written, packed = Band.forward(spec, tails), Band.keys_by_query(spec, tails), _dz_layout(spec, tails)
+    band, written = Band.forward(spec, tails), Band.keys_by_query(spec, tails)
     interpret = interpret_enabled()
     tile_at = lambda t, reach=None: Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
     schedule = _schedule(lambda t: tile_at(t).steps, (N, T // CTA, B), H, segmented, interpret,
@@ -981,22 +982,19 @@ def _dz_layout(spec: AttentionSpec, tails: Tails) -> PackedTiles:
                           _dkv_query_block(tails.head_dim, ("dk", "dv")), tails.T_padded)
 
 
-def _dz_tiles_bytes(spec: AttentionSpec, tails: Tails, B: int, N: int, dt) -> int:
-    """Device memory of the B*N heads' packed dz^T tiles (`_dz_layout`)."""
-    bq = _dkv_query_block(tails.head_dim, ("dk", "dv"))
-    return B * N * max(_dz_layout(spec, tails).count, 1) * CTA * bq * jnp.dtype(dt).itemsize
-
-
-def _dz_tiles_fit(spec: AttentionSpec, tails: Tails, B: int, N: int, dt) -> bool:
-    """Whether the backward takes dq from dz^T tiles (`_dq_from_dz`): at `_DZ_TILES_HEAD_DIMS`
-    (one dK/dV launch), without a left window (`_DZ_TILES_WINDOWED`), while the B*N heads' packed tiles fit
-    `_DZ_TILES_MAX_BYTES`. Under a window the tiles' stores slowed the dK/dV kernel (one CTA per
-    tile there) by more than the dq kernel saved: window (4096, 0) causal B1 T16384 N32, kernels
-    7.103 against 6.635 ms (dK/dV 3.984 against 2.970; H100,
-    benchmarks/results/attention_H100_2026-11-26_packed_dz_tiles_window.json)."""
-    return (tails.head_dim in _DZ_TILES_HEAD_DIMS and tails.value_head_dim <= tails.head_dim
-            and (spec.window_left is None or _DZ_TILES_WINDOWED)
-            and _dz_tiles_bytes(spec, tails, B, N, dt) <= _DZ_TILES_MAX_BYTES)
+def _dz_tiles(spec: AttentionSpec, tails: Tails, B: int, N: int, dt) -> PackedTiles | None:
+    """The dz^T tiles' layout (`_dz_layout`) when the backward takes dq from them (`_dq_from_dz`),
+    else None: at `_DZ_TILES_HEAD_DIMS` (one dK/dV launch), without a left window
+    (`_DZ_TILES_WINDOWED`), while the B*N heads' packed tiles fit `_DZ_TILES_MAX_BYTES`. Under a
+    window the tiles' stores slowed the dK/dV kernel (one CTA per tile there) by more than the dq
+    kernel saved: window (4096, 0) causal B1 T16384 N32, kernels 7.103 against 6.635 ms (dK/dV
+    3.984 against 2.970; H100, benchmarks/results/attention_H100_2026-11-26_packed_dz_tiles_window.json)."""
+    if (tails.head_dim not in _DZ_TILES_HEAD_DIMS or tails.value_head_dim > tails.head_dim
+            or (spec.window_left is not None and not _DZ_TILES_WINDOWED)):
+        return None
+    layout = _dz_layout(spec, tails)
+    nbytes = B * N * layout.entries * CTA * layout.blk * jnp.dtype(dt).itemsize
+    return layout if nbytes <= _DZ_TILES_MAX_BYTES else None
 
 
 def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec):
@@ -1013,10 +1011,11 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     rows = slice(0, tails.T)
     xla_delta = lambda: tails.row_stats(
         jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(F32), out[:, rows].astype(F32)) - dlse)
-    if _dz_tiles_fit(spec, tails, q.shape[0], q.shape[2], dt):  # dK/dV first, then dq from its dz^T tiles
+    dz_tiles = _dz_tiles(spec, tails, q.shape[0], q.shape[2], dt)
+    if dz_tiles is not None:  # dK/dV first, then dq from its dz^T tiles
         delta = xla_delta()
-        dk, dv, dz = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, dz_tiles=True)
-        dq = _dq_from_dz(q, k, dz, *segments, spec, tails)
+        dk, dv, dz = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, dz_tiles=dz_tiles)
+        dq = _dq_from_dz(q, k, dz, dz_tiles, *segments, spec, tails)
     else:
         # delta in the dQ kernel needs a key block that holds a tile's O rows (`_dq`).
         if (_DELTA_IN_DQ_KERNEL and spec.window_left is None and q_segment_ids is None

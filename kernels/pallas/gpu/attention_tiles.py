@@ -129,6 +129,12 @@ class PackedTiles:
 
     base: np.ndarray  # [row tiles] int32: entry of the tile's block 0 (its first visible block lo sits at base + lo)
     count: int
+    blk: int
+
+    @property
+    def entries(self) -> int:
+        """Length of the packed axis: `count`, but at least 1 (an array cannot be empty)."""
+        return max(self.count, 1)
 
     @classmethod
     def of(cls, band: Band, tiles: int, blk: int, length: int) -> "PackedTiles":
@@ -137,13 +143,13 @@ class PackedTiles:
             lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
         steps = hi - lo
         first = np.concatenate([[0], np.cumsum(steps)[:-1]])
-        return cls((first - lo).astype(np.int32), int(steps.sum()))
+        return cls((first - lo).astype(np.int32), int(steps.sum()), blk)
 
     def entry(self, base_ref, r, j):
         """Packed entry of pair (r, j), read from `base_ref` (the kernel's copy of `base`), clamped into
         the array: a pair outside the band (a block one warpgroup never wrote) reads some entry
         that the caller then ignores."""
-        return jnp.minimum(jnp.maximum(base_ref[r] + j, 0), max(self.count, 1) - 1)
+        return jnp.minimum(jnp.maximum(base_ref[r] + j, 0), self.entries - 1)
 
 
 def three_loops(lo, full_lo, full_hi, hi, step, carry, band: Band, segmented: bool = False):
