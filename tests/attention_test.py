@@ -244,6 +244,8 @@ FORWARD_VARIANTS = [
     ("causal_T>S", "sequential", "per_tile"), ("causal_T>S", "overlapped", "persistent"),
     ("window", "overlapped", "persistent"), ("window", "sequential", "per_tile"),
     ("soft_cap", "sequential", "persistent"), ("soft_cap", "overlapped", "per_tile"),
+    # The overlapped schedule as one pipeline across each CTA's tiles (_FLAT_FORWARD_HEAD_DIMS).
+    ("full_T<S", "overlapped", "flat"), ("causal_T>S", "overlapped", "flat"), ("window", "overlapped", "flat"),
 ]
 
 
@@ -253,12 +255,14 @@ def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, grid, monke
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
 
     monkeypatch.setattr(pallas_gpu_attention, "_OVERLAP_HEAD_DIMS", (64,) if schedule == "overlapped" else ())
-    monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_HEAD_DIMS", (64,) if grid == "persistent" else ())
+    monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_HEAD_DIMS", () if grid == "per_tile" else (64,))
+    monkeypatch.setattr(pallas_gpu_attention, "_FLAT_FORWARD_HEAD_DIMS", (64,) if grid == "flat" else ())
     T, S, kwargs = SCHEDULE_CASES[case]
-    # K = N in {3, 1, 5, 2}, one per (schedule, grid): shapes no other test traces, so no cached
+    # K = N in {3, 1, 5, 2, 4}, one per (schedule, grid): shapes no other test traces, so no cached
     # trace of another variant is reused. The interpreter's persistent grid has 2 CTAs.
     heads = {("overlapped", "per_tile"): 3, ("sequential", "per_tile"): 1,
-             ("overlapped", "persistent"): 5, ("sequential", "persistent"): 2}[schedule, grid]
+             ("overlapped", "persistent"): 5, ("sequential", "persistent"): 2,
+             ("overlapped", "flat"): 4}[schedule, grid]
     _check("pallas_gpu", _qkv(1, T, S, heads, heads, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
 
 

@@ -119,6 +119,12 @@ _OVERLAP_HEAD_DIMS = (128,)
 # Persistent forward (`Schedule`, tiles in tile order): saves each tile's launch and pipeline ramp
 # at 64, 96, 128; within noise at 256 and slower at 192, which run one CTA per tile.
 _PERSISTENT_HEAD_DIMS = (64, 96, 128)
+# Persistent overlapped forward as one software pipeline over all of a CTA's tiles (`flat` in
+# `_flash_forward`): a tile's first Q K^T is issued with the previous tile's last P V, so the
+# previous tile's epilogue and the next one's first softmax no longer leave the tensor cores idle
+# at every tile boundary. It takes two Q buffers per warpgroup (224 KB of SMEM at H = 128).
+_FLAT_FORWARD_HEAD_DIMS = (128,)
+_SMEM_LIMIT = 227 * 1024  # Hopper's largest allocation per CTA (Mosaic GPU refuses more when lowering)
 # ... and at these q/k head dims when v's is narrower (MLA's 192 / 128: fewer accumulator registers).
 _PERSISTENT_NARROW_V_HEAD_DIMS = (192,)
 # With segment ids the tiles' work depends on the data: tiles dealt round robin at equal weights
@@ -310,11 +316,6 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     segmented = q_segment_ids is not None
     per_stage = bkv * (H + Hv) * item + (4 * bkv if segmented else 0)
     q_bytes, out_bytes = CTA * H * item, CTA * Hv * item
-    # A separate output buffer lets a consumer load its next Q tile before its last P V; where
-    # it would leave fewer than 2 ring stages (H = 256) the output goes out through Q's buffer.
-    separate_out = _SMEM_BUDGET - q_bytes - out_bytes >= 2 * per_stage
-    assert separate_out or Hv == H, "an output narrower than Q needs its own buffer (`_kernel_head_dims`)"
-    stages = _stages(per_stage, q_bytes + (out_bytes if separate_out else 0))
     band = Band.forward(spec, tails)
     interpret = interpret_enabled()
     overlap = H in _OVERLAP_HEAD_DIMS
@@ -332,6 +333,16 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     persistent_dims = _PERSISTENT_HEAD_DIMS + (_PERSISTENT_NARROW_V_HEAD_DIMS if Hv < H else ())
     schedule = _schedule(lambda t: tile_at(t).steps, (N, q_tiles, B), H, segmented, interpret,
                          persistent_dims=persistent_dims, segmented_dims=_PERSISTENT_SEGMENTED_HEAD_DIMS)
+    # One pipeline over the CTA's tiles: two Q buffers per warpgroup (the next tile's Q lands
+    # while the current one's are read), a separate output buffer and two ring stages.
+    flat = (overlap and H in _FLAT_FORWARD_HEAD_DIMS and schedule.table is not None and not segmented
+            and 2 * q_bytes + out_bytes + 2 * per_stage + CTA * 4 <= _SMEM_LIMIT - 1024)
+    q_slots = 2 if flat else 1
+    # A separate output buffer lets a consumer load its next Q tile before its last P V; where
+    # it would leave fewer than 2 ring stages (H = 256) the output goes out through Q's buffer.
+    separate_out = flat or _SMEM_BUDGET - q_bytes - out_bytes >= 2 * per_stage
+    assert separate_out or Hv == H, "an output narrower than Q needs its own buffer (`_kernel_head_dims`)"
+    stages = 2 if flat else _stages(per_stage, q_bytes + (out_bytes if separate_out else 0))
 
     def kernel(q_ref, k_ref, v_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref, out_ref, lse_ref,
                q_smem, o_smem, k_smem, v_smem, lse_smem, stage, row_ids_smem, col_ids_smem,
@@ -443,6 +454,21 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             v_ring.release(last, g, total)
             return acc, m, l
 
+        def store_tile(tl, acc, m, l, o_s, wait: bool):
+            """A finished tile's rows acc / l and lse = (m + log2 l) ln 2 (-inf and 0 for rows that
+            saw no key) out by TMA through o_s and lse_smem; wait: for the previous tile's stores
+            to have read them first."""
+            seen = l > 0.0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+            if wait:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_s[...] = (acc * bcast(inv, acc.shape, 0)).astype(dt)
+            lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
+            plgpu.commit_smem()
+            rows = pl.ds(tl.r0 + wg * ROWS, ROWS)
+            plgpu.copy_smem_to_gmem(o_s, out_ref.at[tl.b, rows, tl.n])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tl.b, tl.n, rows])
+
         def consumer():
             q_s = q_smem.at[wg]
             o_s = o_smem.at[wg] if separate_out else q_s
@@ -471,21 +497,101 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
                 loop = overlapped if overlap else sequential
                 acc, m, l = loop(tl, base, total, rows, row_ids, q_s, mma, full_rows(ROWS, -jnp.inf, 1),
                                  full_rows(ROWS, 0.0, 1), prefetch if separate_out else lambda: None)
-                seen = l > 0.0
-                inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-                if separate_out:  # the previous tile's stores have read o_s and lse_smem
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                o_s[...] = (acc * bcast(inv, acc.shape, 0)).astype(dt)
-                lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s, out_ref.at[tl.b, pl.ds(rows, ROWS), tl.n])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tl.b, tl.n, pl.ds(rows, ROWS)])
+                store_tile(tl, acc, m, l, o_s, separate_out)
                 if not separate_out:  # Q's buffer holds the output until the store has read it
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     prefetch()
                 return base + tl.steps
 
             return one_tile
+
+        def flat_consumer():
+            """Every tile of this CTA in one software pipeline: `overlapped` carried across tiles.
+            Tile kk's first Q K^T is issued with tile kk-1's last P V, its softmax (from fresh row
+            statistics) runs while that P V is in flight, and then tile kk-1's rows are stored, so
+            the tensor cores keep the other warpgroup's work at a tile boundary. Q alternates
+            between two buffers per warpgroup (the next tile's lands while this one's are read);
+            the warpgroups ping-pong from the CTA's first block to its last without meeting."""
+            mma = Mma(interpret, None if stage is None else stage.at[wg])
+            o_s = o_smem.at[wg]
+            tiles = table_ref[lax.axis_index("cta"), 0]
+            tile_of = lambda kk: tile(schedule.tile(table_ref, kk))
+            total = schedule.total(table_ref, lambda t: tile(t).steps)
+            k_ring.prime(total)
+            v_ring.prime(total)
+            q_buf = lambda kk: lax.rem(kk, i32(2)) * WGS + wg
+            fresh = lambda: (full_rows(ROWS, -jnp.inf, 1), full_rows(ROWS, 0.0, 1))
+
+            def load_q(kk):
+                tl = tile_of(kk)
+                plgpu.copy_gmem_to_smem(q_ref.at[tl.b, pl.ds(tl.r0 + wg * ROWS, ROWS), tl.n],
+                                        q_smem.at[q_buf(kk)], q_bar.at[q_buf(kk)])
+
+            def step(tl, kk, base, j, carry, masked, first=False):
+                """Block j of tile kk with the previous ring use's P V in flight: (acc + P V, then
+                block j's p16, m', l', alpha). first: block j starts the tile (fresh m and l)."""
+                acc, m, l, p_prev = carry
+                g = base + j - tl.lo
+                slot, prev = lax.rem(g, i32(stages)), lax.rem(g - 1, i32(stages))
+                if first:
+                    plgpu.barrier_wait(q_bar.at[q_buf(kk)])
+                    m, l = fresh()
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+                sched.turn()
+
+                def between(s):  # runs while the previous P V is in flight
+                    k_ring.release(slot, g, total)
+                    p, m_new, l_new, alpha = softmax(s, m, l, tl.r0 + wg * ROWS, j, masked, (None, None))
+                    return p.astype(dt), m_new, l_new, alpha
+
+                acc, (p16, m, l, alpha) = mma.overlapped(
+                    q_smem.at[q_buf(kk)], k_smem.at[slot].transpose((1, 0)), (ROWS, bkv), p_prev, v_smem.at[prev],
+                    acc, between, (p_prev, m, l, m), after_issue=sched.handover)
+                v_ring.release(prev, g - 1, total)
+                return acc, p16, m, l, alpha
+
+            def rest(tl, kk, base, carry):
+                """Blocks lo + 1 .. hi - 1 of tile kk."""
+                def body(j, carry, masked):
+                    acc, p16, m, l, alpha = step(tl, kk, base, j, carry, masked)
+                    return acc * bcast(alpha, acc.shape, 0), m, l, p16
+
+                first = tl.lo + 1
+                mid_lo = jnp.maximum(tl.full_lo, first)
+                return three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, body, carry, band)
+
+            def next_tile(kk, state):
+                carry, base = state
+                tl = tile_of(kk)
+                acc, p16, m, l, _ = step(tl, kk, base, tl.lo, carry, band.masks, first=True)
+                # Into tile kk - 1's Q buffer: its Q K^Ts are done.
+                pl.when(kk + 1 < tiles)(functools.partial(load_q, kk + 1))
+                store_tile(tile_of(kk - 1), acc, carry[1], carry[2], o_s, True)
+                return rest(tl, kk, base, (zeros((ROWS, Hv)), m, l, p16)), base + tl.steps
+
+            load_q(i32(0))
+            pl.when(tiles > 1)(functools.partial(load_q, i32(1)))
+            pl.when(wg == 1)(sched.handover)  # WG 0 takes the first turn
+            tl = tile_of(i32(0))  # its first block: Q K^T alone
+            plgpu.barrier_wait(q_bar.at[q_buf(i32(0))])
+            plgpu.barrier_wait(k_bar.at[0])
+            sched.turn()
+            s = mma(q_smem.at[q_buf(i32(0))], k_smem.at[0].transpose((1, 0)), (ROWS, bkv), after_issue=sched.handover)
+            k_ring.release(i32(0), i32(0), total)
+            p, m, l, _ = softmax(s, *fresh(), tl.r0 + wg * ROWS, tl.lo, band.masks, (None, None))
+            carry = rest(tl, i32(0), i32(0), (zeros((ROWS, Hv)), m, l, p.astype(dt)))
+            carry, _ = lax.fori_loop(1, tiles, next_tile, (carry, tl.steps))
+            acc, m, l, p16 = carry  # the last tile's last P V
+            g = total - 1
+            last = lax.rem(g, i32(stages))
+            plgpu.barrier_wait(v_bar.at[last])
+            sched.turn()
+            # WG 1 started with a handover: it skips its last one so that arrivals pair up.
+            acc = mma(p16, v_smem.at[last], (ROWS, Hv), acc=acc, a_in_regs=True,
+                      after_issue=lambda: pl.when(wg == 0)(sched.handover))
+            v_ring.release(last, g, total)
+            store_tile(tile_of(tiles - 1), acc, m, l, o_s, True)
 
         def copy_block(tl, kh, i, g, slot):
             keys = (tl.b, pl.ds((tl.lo + i) * bkv, bkv), kh)
@@ -496,12 +602,13 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             v_ring.acquire(slot, g)
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
 
-        warp_specialized(wg, schedule, table_ref, consumer, lambda: _key_block_producer(tile, G, stages, copy_block))
+        warp_specialized(wg, schedule, table_ref, flat_consumer if flat else consumer,
+                         lambda: _key_block_producer(tile, G, stages, copy_block))
 
     tr = _block_transforms(dt, H, Hv)
 
     scratch = [
-        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((q_slots * WGS, ROWS, H), dt, transforms=tr),
         plgpu.SMEM((WGS, ROWS, Hv), dt, transforms=tr) if separate_out else None,
         plgpu.SMEM((stages, bkv, H), dt, transforms=tr),
         plgpu.SMEM((stages, bkv, Hv), dt, transforms=tr),
@@ -510,14 +617,15 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     ]
     ids = 1 if segmented else 0  # one more TMA copy per barrier use: the segment ids
     bars = [
-        plgpu.Barrier(num_arrivals=1 + ids, num_barriers=WGS),
+        plgpu.Barrier(num_arrivals=1 + ids, num_barriers=q_slots * WGS),
         plgpu.Barrier(num_arrivals=1 + ids, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
     ]
     out_type = (jax.ShapeDtypeStruct(q.shape[:3] + (Hv,), dt), jax.ShapeDtypeStruct((B, N, T), F32))
-    out, lse = launch("attention_fwd", kernel, scratch, bars, out_type, schedule, interpret)(
+    # Its reductions are the softmax's row max and sum (`row_reductions_only`).
+    out, lse = launch("attention_fwd", kernel, scratch, bars, out_type, schedule, interpret, row_reductions_only=flat)(
         q, k, v, schedule.input(), *segment_inputs(q_segment_ids, kv_segment_ids))
     return out, lse
 

@@ -51,8 +51,11 @@ def transforms(dtype, swizzle=128):
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def compiler_params():
-    return plgpu.CompilerParams(approx_math=True)
+def compiler_params(row_reductions_only: bool = False):
+    """row_reductions_only: the kernel reduces only within rows of WGMMA-layout arrays (a
+    quad's registers, no SMEM), so Pallas need not reserve its cross-warp reduction scratch
+    (2 KB: what the flat forward's 224 KB of buffers have no room for)."""
+    return plgpu.CompilerParams(approx_math=True, **(dict(reduction_scratch_bytes=0) if row_reductions_only else {}))
 
 
 # ----------------------------------------------------------------------------- synchronisation
@@ -339,12 +342,15 @@ def warp_specialized(wg, schedule: Schedule, table_ref, consumer, producer):
     take `REGS[0]` registers, run consumer()'s tile body and wait for their last TMA stores; the
     producer warpgroup gives registers back down to `REGS[1]` and runs producer()'s. consumer and
     producer are called inside their role, so the set-up code they run before returning their
-    tile body is traced there."""
+    tile body is traced there. A consumer that runs the CTA's tiles itself (one loop across
+    them) returns None."""
 
     @pl.when(wg < WGS)
     def _consumer():
         plgpu.set_max_registers(REGS[0], action="increase")
-        schedule.run(table_ref, consumer())
+        body = consumer()
+        if body is not None:
+            schedule.run(table_ref, body)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == WGS)
@@ -369,11 +375,13 @@ def bcast(v, shape, dim):
 # ----------------------------------------------------------------------------- launch
 
 
-def launch(name: str, kernel, scratch, barriers, out_type, schedule: Schedule, interpret: bool):
+def launch(name: str, kernel, scratch, barriers, out_type, schedule: Schedule, interpret: bool,
+           row_reductions_only: bool = False):
     """The plgpu.kernel of every attention kernel: `WGS` consumer warpgroups and a producer
     over the schedule's grid, running kernel(*inputs, *outputs, *scratch, *barriers) with every
     SMEM buffer and barrier allocated once for all warpgroups (a None scratch entry stays None:
-    a buffer this call does not need). `name` is the kernel's name in profiles."""
+    a buffer this call does not need). `name` is the kernel's name in profiles;
+    `row_reductions_only`: see `compiler_params`."""
 
     def body(*refs):
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
@@ -384,7 +392,7 @@ def launch(name: str, kernel, scratch, barriers, out_type, schedule: Schedule, i
         **schedule.grid,
         num_threads=WGS + 1,
         thread_name="wg",
-        compiler_params=compiler_params(),
+        compiler_params=compiler_params(row_reductions_only),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name=name,
     )
