@@ -30,6 +30,10 @@ _PALLAS_GPU_HEAD_DIMS = (64, 96, 128, 192, 256)
 # Causal GQA at head_dim 128 tries pallas_gpu first while a [B, N, T, S] array of 16-bit scores
 # would fit this (`_pallas_gpu_gqa_first`): the lengths where it was measured faster than cuDNN.
 _PALLAS_GPU_GQA_MAX_SCORES_BYTES = 4 << 30
+# pallas_gpu's q/k head dims whose forward runs one pipeline across each CTA's tiles
+# (`_FLAT_FORWARD_HEAD_DIMS` in kernels/pallas/gpu/attention.py; test_pallas_gpu_head_dims_match
+# keeps the two equal): its forward kernel is faster than cuDNN's there (`_inference_order`).
+_PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS = (128,)
 
 
 def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
@@ -49,14 +53,23 @@ def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
     (1.08-1.13x in alternating-order rounds, results/attention_H200_2026-11-25_abba.json; 1.05x per
     call in one program of 8, results/attention_in_program.json). Attention without a position
     mask stays on cuDNN too (1.593 against 1.720 ms). A differentiated call keeps the training
-    priority above for its forward and backward (interface._split)."""
-    q, k = args[0], args[1]
+    priority above for its forward and backward (interface._split).
+
+    Since pallas_gpu's forward runs one pipeline across each CTA's tiles at head_dim 128
+    (`_PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS`), plain causal there goes to pallas_gpu too: its kernel
+    took 0.920 and 0.926 ms against cuDNN's 0.955 and 0.953 in two H100 runs (CUPTI, causal B4
+    T4096 N32), the call 1.06-1.12x cuDNN's in three sets of rounds
+    (results/attention_H100_2026-11-26_flat_forward_{causal,bench}.json,
+    attention_H100_2026-11-26_flat_forward_repeat_causal.json), and even inside a program of 8
+    forwards (1.032 against 1.028 ms per call, attention_H100_2026-11-26_flat_forward_program_fwd.json)."""
+    q, k, v = args[0], args[1], args[2]
     spec = kwargs["spec"]
     if platform == "gpu" and _pallas_gpu_pads_head_dims(args):
         return ("cudnn", "triton")
-    if platform != "gpu" or not spec.has_position_mask:
+    if platform != "gpu" or not spec.has_position_mask or not _aligned(args):
         return ()
-    if (q.shape[2] > k.shape[2] or spec.window_left is not None) and _aligned(args):
+    flat = q.shape[3] in _PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS and v.shape[3] == q.shape[3]
+    if q.shape[2] > k.shape[2] or spec.window_left is not None or flat:
         return ("pallas_gpu",)
     return ()
 

@@ -798,7 +798,7 @@ DEFAULT_SPLIT_CASES = {
     "gqa": (8, 2, 128, dict(causal=True), ("pallas_gpu", None)),
     "window": (4, 4, 128, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
     "head_dim_256": (4, 4, 256, dict(causal=True), ("cudnn", None)),
-    "causal_mha": (4, 4, 128, dict(causal=True), ("cudnn", None)),
+    "causal_mha": (4, 4, 128, dict(causal=True), ("pallas_gpu", "cudnn")),
     "full_gqa": (8, 2, 128, dict(), ("cudnn", None)),
     # ops/attention.py's _training_order: pallas_gpu for both at causal head_dim 64 without a window.
     "causal_head_dim_64": (4, 4, 64, dict(causal=True), ("pallas_gpu", None)),
@@ -850,9 +850,10 @@ def test_pallas_gpu_head_dims_match():
     """ops/attention.py's copy of pallas_gpu's kernel head dims (the selection rules read it) is
     the kernels' own."""
     from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-    from forgeax.ops.attention import _PALLAS_GPU_HEAD_DIMS
+    from forgeax.ops.attention import _PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS, _PALLAS_GPU_HEAD_DIMS
 
     assert _PALLAS_GPU_HEAD_DIMS == pallas_gpu_attention._HEAD_DIMS
+    assert _PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS == pallas_gpu_attention._FLAT_FORWARD_HEAD_DIMS
 
 
 @pytest.mark.parametrize("B,T,S,N", [(1, 8192, 8192, 32), (2, 8192, 8192, 32), (4, 4096, 4096, 32),
@@ -922,8 +923,9 @@ def test_pallas_gpu_kernel_head_dims():
 
 
 def test_inference_order_rule():
-    """Which forward-only calls _inference_order sends to pallas_gpu first: GQA or a window, at
-    lengths pallas_gpu runs in place (`_aligned`); other lengths keep the platform priority."""
+    """Which forward-only calls _inference_order sends to pallas_gpu first: GQA, a window, or any
+    position mask at the head dim of its flat forward (128, v's too), at lengths pallas_gpu runs
+    in place (`_aligned`); other lengths keep the platform priority."""
     from forgeax.kernels.common.attention import AttentionSpec
     from forgeax.ops.attention import _inference_order
 
@@ -936,8 +938,10 @@ def test_inference_order_rule():
     assert order(128, causal=True, window_left=100, window_right=0) == ("pallas_gpu",)
     assert order(64, causal=True, window_left=100, window_right=0) == ("pallas_gpu",)
     assert order(256, causal=True) == ()  # measured even or slower than cuDNN
-    assert order(128, causal=True) == ()
-    assert order(128, N=8, K=2) == ()  # no position mask
+    assert order(128, causal=True) == ("pallas_gpu",)  # the flat forward
+    assert order(128, T=1001, causal=True) == ()
+    assert order(64, causal=True) == () and order(128, Hv=64, causal=True) == ()
+    assert order(128, N=8, K=2) == () and order(128) == ()  # no position mask
     assert order(128, N=8, K=2, platform="tpu", causal=True) == ()
     for T, want in ((1000, ("pallas_gpu",)), (1001, ()), (120, ())):  # in place / copied padded
         assert order(128, T=T, causal=True, window_left=100, window_right=0) == want
