@@ -373,6 +373,17 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             p = _exp2(s, c, bcast(m_use, s.shape, 0))
             return p, m_new, l * alpha + jnp.sum(p, axis=1), alpha
 
+        def last_pv(mma, acc, p16, g, total):
+            """The overlapped schedule's closing P V (ring use g) in the warpgroup's last turn: WG 1
+            started with a handover, so it skips its last one and the arrivals pair up."""
+            last = lax.rem(g, i32(stages))
+            plgpu.barrier_wait(v_bar.at[last])
+            sched.turn()
+            acc = mma(p16, v_smem.at[last], (ROWS, Hv), acc=acc, a_in_regs=True,
+                      after_issue=lambda: pl.when(wg == 0)(sched.handover))
+            v_ring.release(last, g, total)
+            return acc
+
         def sequential(tl, base, total, rows, row_ids, q_s, mma, m, l, q_free):
             """Ping-pong per block: Q K_j^T, softmax, P_j V_j; a WG waits for its turn before P V."""
             pl.when(wg == 1)(sched.turn)  # WG 1 starts one turn behind
@@ -444,15 +455,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             acc, m, l, p16 = three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, step,
                                           (zeros((ROWS, Hv)), m, l, p.astype(dt)), band, segmented)
             q_free()  # every Q K^T of this tile is done
-            g = base + tl.steps - 1
-            last = lax.rem(g, i32(stages))
-            plgpu.barrier_wait(v_bar.at[last])
-            sched.turn()
-            # WG 1 started with a handover: it skips its last one so that arrivals pair up.
-            acc = mma(p16, v_smem.at[last], (ROWS, Hv), acc=acc, a_in_regs=True,
-                      after_issue=lambda: pl.when(wg == 0)(sched.handover))
-            v_ring.release(last, g, total)
-            return acc, m, l
+            return last_pv(mma, acc, p16, base + tl.steps - 1, total), m, l
 
         def store_tile(tl, acc, m, l, o_s, wait: bool):
             """A finished tile's rows acc / l and lse = (m + log2 l) ln 2 (-inf and 0 for rows that
@@ -582,15 +585,8 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             p, m, l, _ = softmax(s, *fresh(), tl.r0 + wg * ROWS, tl.lo, band.masks, (None, None))
             carry = rest(tl, i32(0), i32(0), (zeros((ROWS, Hv)), m, l, p.astype(dt)))
             carry, _ = lax.fori_loop(1, tiles, next_tile, (carry, tl.steps))
-            acc, m, l, p16 = carry  # the last tile's last P V
-            g = total - 1
-            last = lax.rem(g, i32(stages))
-            plgpu.barrier_wait(v_bar.at[last])
-            sched.turn()
-            # WG 1 started with a handover: it skips its last one so that arrivals pair up.
-            acc = mma(p16, v_smem.at[last], (ROWS, Hv), acc=acc, a_in_regs=True,
-                      after_issue=lambda: pl.when(wg == 0)(sched.handover))
-            v_ring.release(last, g, total)
+            acc, m, l, p16 = carry
+            acc = last_pv(mma, acc, p16, total - 1, total)
             store_tile(tile_of(tiles - 1), acc, m, l, o_s, True)
 
         def copy_block(tl, kh, i, g, slot):
