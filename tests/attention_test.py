@@ -366,26 +366,6 @@ def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid, monkeypat
     _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 11 * S), kwargs)
 
 
-@pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
-@pytest.mark.parametrize("case,dz_tiles,order", [("causal_gqa", True, "three_waits"), ("unaligned", False, "fa3")])
-def test_pallas_gpu_dkv_prefetch_in_interpreter(case, dz_tiles, order, monkeypatch):
-    """The persistent dK/dV kernel with two K/V buffers per warpgroup (`_DKV_PREFETCH_HEAD_DIMS`:
-    the next tile's K/V load after this tile's first step), at head_dim 64 here (the GPU takes it
-    at 128): three tiles per CTA, so each buffer is reused; with the dz^T stores in flight (the
-    wait leaves this step's store out) and without."""
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-
-    monkeypatch.setattr(pallas_gpu_attention, "_DKV_PREFETCH_HEAD_DIMS", (64,))
-    monkeypatch.setattr(pallas_gpu_attention, "_DZ_TILES_HEAD_DIMS", (64,) if dz_tiles else ())
-    monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
-    if case == "unaligned":
-        (T, S, kwargs), (N, K) = (300, 136, dict(causal=True)), (4, 2)
-    else:
-        (T, S, kwargs), (N, K) = BACKWARD_ORDER_CASES[case], (9, 3)
-    # Head counts no other test traces with these lengths: no cached trace of another variant.
-    _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 13 * S + N), kwargs)
-
-
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
 @pytest.mark.parametrize("path", ["dz_tiles", "dq_programs"])
 @pytest.mark.parametrize("case", ["causal_gqa", "window_soft_cap_T<S", "segments"])

@@ -174,10 +174,6 @@ _DZ_TILES_MAX_BYTES = 4 << 30
 _DZ_TILES_WINDOWED = False  # with a left window too (measured slower: `_dz_tiles`)
 _DQ_FROM_DZ_BLOCK_KV = 64
 _PERSISTENT_DQ_FROM_DZ_HEAD_DIMS = ()
-# dK/dV kernel with two K/V buffers per warpgroup (persistent grid, dk and dv in one launch, no
-# segment ids): the next tile's K and V load during the current tile instead of after its dk/dv
-# stores, at the cost of a third ring stage (`_dkv`).
-_DKV_PREFETCH_HEAD_DIMS = (128,)
 # dK/dV step order: FA3's (both score wgmmas, then both gradient wgmmas) only at H = 64, where it
 # was faster; at 128 no faster and it spills. Overlapping the backward's softmax with its second
 # wgmma was not kept (it lost on a power-capped H200).
@@ -247,14 +243,13 @@ def _staging_and_segment_buffers(dt, blk: int, stages: int, interpret: bool, seg
     ]
 
 
-def _backward_barriers(tile_copies: int, slot_copies: int, stages: int, segmented: bool, tile_slots: int = 1) -> list:
-    """The dQ and dK/dV kernels' barriers: per consumer warpgroup (and tile buffer, of
-    `tile_slots`), its tile's `tile_copies` TMA copies landed; per ring slot, the slot's
-    `slot_copies` copies landed, and both consumers released it. With segment ids the first two
-    count one more copy each (the ids)."""
+def _backward_barriers(tile_copies: int, slot_copies: int, stages: int, segmented: bool) -> list:
+    """The dQ and dK/dV kernels' barriers: per consumer warpgroup, its tile's `tile_copies` TMA
+    copies landed; per ring slot, the slot's `slot_copies` copies landed, and both consumers
+    released it. With segment ids the first two count one more copy each (the ids)."""
     ids = 1 if segmented else 0
     return [
-        plgpu.Barrier(num_arrivals=tile_copies + ids, num_barriers=tile_slots * WGS),
+        plgpu.Barrier(num_arrivals=tile_copies + ids, num_barriers=WGS),
         plgpu.Barrier(num_arrivals=slot_copies + ids, num_barriers=stages),
         plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
     ]
@@ -685,8 +680,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     assert want_dk or packed is None
     assert packed is None or packed.blk == bq
     dz_bytes = 2 * CTA * bq * item if packed else 0
-    per_stage, tile_bytes = bq * (H + Hv) * item + row_terms * bq * 4, CTA * (H + (Hv if v_tile else 0)) * item
-    stages = _stages(per_stage, tile_bytes + dz_bytes)
+    stages = _stages(bq * (H + Hv) * item + row_terms * bq * 4,
+                     CTA * (H + (Hv if v_tile else 0)) * item + dz_bytes)
     band = Band.keys_by_query(spec, tails)
     fa3_order = H in _DKV_FA3_ORDER_HEAD_DIMS and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
@@ -699,14 +694,6 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     schedule = _schedule(lambda t: G * tile_at(t).steps, (K, S // CTA, B), H, segmented, interpret,
                          persistent_dims=() if windowed else _PERSISTENT_DKV_HEAD_DIMS,
                          segmented_dims=() if windowed else _PERSISTENT_SEGMENTED_DKV_HEAD_DIMS)
-    # Two K/V buffers per warpgroup: tile kk + 1's K/V load into the buffer tile kk - 1's dk/dv
-    # went out through, once those stores have read it (after tile kk's first step), so a tile
-    # starts without waiting for its loads. Two ring stages then fit (226 KB at H = 128).
-    prefetch = (H in _DKV_PREFETCH_HEAD_DIMS and schedule.table is not None and want_dk and want_dv
-                and not segmented and 2 * tile_bytes + dz_bytes + 2 * per_stage <= _SMEM_LIMIT - 1024)
-    if prefetch:
-        stages = 2
-    kv_slots = 2 if prefetch else 1
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                dz_base_ref, *refs):
@@ -722,39 +709,22 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
         def consumer():
             total = schedule.total(table_ref, steps_of)
             ring.prime(total)
+            k_s = k_smem.at[wg]
+            v_s = v_smem.at[wg] if v_tile else None
             mma = Mma(interpret, None if stage is None else stage.at[wg])
-            kv_buf = lambda kk: lax.rem(kk, i32(2)) * WGS + wg if prefetch else wg  # tile kk's K/V buffers
-
-            rows_of = lambda tl: (tl.b, pl.ds(tl.r0 + wg * ROWS, ROWS), tl.n)  # this warpgroup's keys
-
-            def load_kv(gk, kk):
-                """Tile kk's K (V, row segment ids) at gk (`rows_of`) into its buffers."""
-                plgpu.copy_gmem_to_smem(k_ref.at[gk], k_smem.at[kv_buf(kk)], kv_bar.at[kv_buf(kk)])
-                if want_dk:
-                    plgpu.copy_gmem_to_smem(v_ref.at[gk], v_smem.at[kv_buf(kk)], kv_bar.at[kv_buf(kk)])
-                if segmented:
-                    plgpu.copy_gmem_to_smem(row_ids_ref.at[gk[:2]], row_ids_smem.at[wg], kv_bar.at[kv_buf(kk)])
-
-            def load_next(kk):
-                """With `prefetch`: tile kk + 1's K/V, into tile kk - 1's buffers once its dk/dv
-                stores have read them (this step's dz^T store may stay in flight)."""
-                plgpu.wait_smem_to_gmem(1 if packed else 0, wait_read_only=True)
-                pl.when(schedule.has_next(table_ref, kk))(lambda: load_kv(rows_of(tile(schedule.tile(table_ref, kk + 1))), kk + 1))
-
-            if prefetch:
-                load_kv(rows_of(tile(schedule.tile(table_ref, 0))), i32(0))
 
             def one_tile(kk, t, base):
                 tl = tile(t)
                 keys = tl.r0 + wg * ROWS
                 per_head = tl.steps
-                gk = (tl.b, pl.ds(keys, ROWS), tl.n)  # rows_of(tl)
-                k_s = k_smem.at[kv_buf(kk)]
-                v_s = v_smem.at[kv_buf(kk)] if v_tile else None
-                if not prefetch:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
-                    load_kv(gk, kk)
-                plgpu.barrier_wait(kv_bar.at[kv_buf(kk)])
+                gk = (tl.b, pl.ds(keys, ROWS), tl.n)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
+                plgpu.copy_gmem_to_smem(k_ref.at[gk], k_s, kv_bar.at[wg])
+                if want_dk:
+                    plgpu.copy_gmem_to_smem(v_ref.at[gk], v_s, kv_bar.at[wg])
+                if segmented:
+                    plgpu.copy_gmem_to_smem(row_ids_ref.at[gk[:2]], row_ids_smem.at[wg], kv_bar.at[wg])
+                plgpu.barrier_wait(kv_bar.at[wg])
                 row_ids = segment_ids(row_ids_smem, wg, 1)
 
                 def head(g, carry):
@@ -802,15 +772,11 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                                 acc["dk"] = mma(dst, q_smem.at[slot], (ROWS, H), acc=acc["dk"], a_in_regs=True,
                                                 after_issue=store_dz if packed else None)
                         ring.release(slot, i, total)
-                        if prefetch:
-                            pl.when((g == 0) & (j == tl.lo))(functools.partial(load_next, kk))
                         return tuple(acc[name] for name in parts)
 
                     return three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
 
                 accs = lax.fori_loop(0, G, head, tuple(zeros((ROWS, widths[name])) for name in parts))
-                if prefetch:  # a tile without steps had no first step to start the next one's loads
-                    pl.when(per_head == 0)(functools.partial(load_next, kk))
                 # The results go out through the K/V buffers (every wgmma reading them is done).
                 bufs = {"dk": k_s, "dv": k_s if v_s is None else v_s}
                 for name, acc in zip(parts, accs):
@@ -852,8 +818,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     tr = _block_transforms(dt, bq, H, Hv)  # one swizzle for every wgmma operand
 
     scratch = [
-        plgpu.SMEM((kv_slots * WGS, ROWS, H), dt, transforms=tr),
-        plgpu.SMEM((kv_slots * WGS, ROWS, Hv), dt, transforms=tr) if v_tile else None,
+        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr),
+        plgpu.SMEM((WGS, ROWS, Hv), dt, transforms=tr) if v_tile else None,
         plgpu.SMEM((stages, bq, H), dt, transforms=tr),
         plgpu.SMEM((stages, bq, Hv), dt, transforms=tr),
         plgpu.SMEM((stages, bq), F32),
@@ -863,12 +829,11 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     ]
     # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
     bars = _backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
-                              segmented=segmented, tile_slots=kv_slots)
+                              segmented=segmented)
     out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts) + (
         (jax.ShapeDtypeStruct((B, N, packed.entries, CTA, bq), dt),) if packed else ())
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
-    # It reduces nothing across warps (`row_reductions_only`): its SMEM is full with `prefetch`.
-    return launch(name, kernel, scratch, bars, out_type, schedule, interpret, row_reductions_only=prefetch)(
+    return launch(name, kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *segment_inputs(kv_segment_ids, q_segment_ids),
         jnp.asarray(packed.base if packed else np.zeros(1, np.int32)))
 
