@@ -334,7 +334,8 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
     schedule = _schedule(lambda t: tile_at(t).steps, (N, q_tiles, B), H, segmented, interpret,
                          persistent_dims=persistent_dims, segmented_dims=_PERSISTENT_SEGMENTED_HEAD_DIMS)
     # One pipeline over the CTA's tiles: two Q buffers per warpgroup (the next tile's Q lands
-    # while the current one's are read), a separate output buffer and two ring stages.
+    # while the current one's are read), a separate output buffer, two ring stages and the lse
+    # rows (CTA * 4), with 1 KB left for the barriers and the buffers' alignment.
     flat = (overlap and H in _FLAT_FORWARD_HEAD_DIMS and schedule.table is not None and not segmented
             and 2 * q_bytes + out_bytes + 2 * per_stage + CTA * 4 <= _SMEM_LIMIT - 1024)
     q_slots = 2 if flat else 1
@@ -517,7 +518,7 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             the warpgroups ping-pong from the CTA's first block to its last without meeting."""
             mma = Mma(interpret, None if stage is None else stage.at[wg])
             o_s = o_smem.at[wg]
-            tiles = table_ref[lax.axis_index("cta"), 0]
+            tiles = schedule.count(table_ref)
             tile_of = lambda kk: tile(schedule.tile(table_ref, kk))
             total = schedule.total(table_ref, lambda t: tile(t).steps)
             k_ring.prime(total)

@@ -221,14 +221,18 @@ class Schedule:
         if self.table is None:
             return body(i32(0), self.tile(table_ref, 0), i32(0))
         cta = lax.axis_index("cta")
-        return lax.fori_loop(0, table_ref[cta, 0], lambda kk, base: body(kk, table_ref[cta, kk + 1], base), i32(0))
+        return lax.fori_loop(0, self.count(table_ref), lambda kk, base: body(kk, table_ref[cta, kk + 1], base), i32(0))
 
     def total(self, table_ref, steps_of):
         """Ring uses of all this CTA's tiles."""
         return self.run(table_ref, lambda kk, t, base: base + steps_of(t))
 
+    def count(self, table_ref):
+        """How many tiles this CTA runs."""
+        return 1 if self.table is None else table_ref[lax.axis_index("cta"), 0]
+
     def has_next(self, table_ref, kk):
-        return kk + 1 < (1 if self.table is None else table_ref[lax.axis_index("cta"), 0])
+        return kk + 1 < self.count(table_ref)
 
     def tile(self, table_ref, kk):
         """The kk-th tile of this CTA: its grid indices (one CTA per tile, so the kernel divides
