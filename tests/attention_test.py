@@ -330,26 +330,6 @@ def test_pallas_gpu_backward_orders_in_interpreter(case, order, grid, monkeypatc
 
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
-@pytest.mark.parametrize("early,order", [(True, "three_waits"), (False, "fa3")])
-def test_pallas_gpu_dkv_next_kv_early_in_interpreter(early, order, monkeypatch):
-    """The persistent dK/dV kernel loads a tile's K and V during the previous tile's last step
-    (`_DKV_NEXT_KV_EARLY`) or at the tile's start, in both step orders. The middle key tile of each
-    head holds a segment no query has, so it has no steps and issues the next tile's loads itself;
-    the interpreter's 2 CTAs run 3 tiles each, that empty one between two others."""
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-
-    monkeypatch.setattr(pallas_gpu_attention, "_DKV_NEXT_KV_EARLY", early)
-    monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
-    monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_SEGMENTED_MIN_HEADS", 1)
-    T, S = 128, 384
-    q_ids = jnp.asarray(np.repeat([0, 1], T // 2)[None].astype(np.int32))
-    kv_ids = jnp.asarray(np.repeat([0, 7, 1], S // 3)[None].astype(np.int32))  # 7: no query's
-    # Head counts no other test traces with these lengths: no cached trace of the other setting.
-    N = 2 if early else 3
-    _check("pallas_gpu", _qkv(1, T, S, N, N, 64, jnp.bfloat16, seed=T + S + N), dict(segment_ids=(q_ids, kv_ids)))
-
-
-@pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
 def test_pallas_gpu_backward_with_xla_delta_in_interpreter(monkeypatch):
     """_DELTA_IN_DQ_KERNEL off: delta from an XLA reduction, the dQ kernel reads it. Without a
     left window (with one, delta always comes from XLA: the window cases cover that)."""

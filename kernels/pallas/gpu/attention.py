@@ -138,11 +138,6 @@ _PERSISTENT_SEGMENTED_MIN_HEADS = 32
 # where delta comes from XLA (H > 128): computing delta in it spilled and lost.
 _PERSISTENT_DKV_HEAD_DIMS = (64, 96, 128, 192, 256)
 _PERSISTENT_DQ_HEAD_DIMS = (192, 256)
-# A persistent dK/dV kernel stores dk, dv through a buffer of their own instead of K's and V's, and
-# its producer loads the next tile's K and V as soon as the consumers have finished a tile's last
-# step, so the loads' latency hides behind the epilogue. Only where that buffer fits beside the
-# ring stages the kernel would have anyway (`_dkv`).
-_DKV_NEXT_KV_EARLY = True
 # q/k head dims (> 128) whose separate dk launch streams 64-query blocks instead of 32 (at 256
 # their SMEM does not fit): at 192 its kernel took 0.99 against 1.29 ms.
 _DK_QUERY_BLOCK_64_HEAD_DIMS = (192,)
@@ -700,33 +695,17 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     schedule = _schedule(lambda t: G * tile_at(t).steps, (K, S // CTA, B), H, segmented, interpret,
                          persistent_dims=() if windowed else _PERSISTENT_DKV_HEAD_DIMS,
                          segmented_dims=() if windowed else _PERSISTENT_SEGMENTED_DKV_HEAD_DIMS)
-    # Early next K/V (`_DKV_NEXT_KV_EARLY`): an own output buffer, which at H = 128 with the dz^T
-    # tiles fits beside 3 ring stages only without Pallas' cross-warp reduction scratch (this
-    # kernel reduces nothing).
-    out_bytes = WGS * ROWS * H * item
-    smem = (stages * (bq * (H + Hv) * item + row_terms * bq * 4) + CTA * (H + Hv) * item + dz_bytes + out_bytes
-            + (WGS * ROWS + stages * bq) * 4 * segmented)
-    next_kv_early = (_DKV_NEXT_KV_EARLY and schedule.table is not None and want_dk and want_dv and Hv == H
-                     and smem <= _SMEM_LIMIT - 1024)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
                dz_base_ref, *refs):
         out_refs, refs = dict(zip(parts, refs[:len(parts)])), refs[len(parts):]
         dz_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dz_smem, out_smem, stage, row_ids_smem,
-         col_ids_smem, kv_bar, loaded, free, kv_free) = refs
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dz_smem, stage, row_ids_smem, col_ids_smem,
+         kv_bar, loaded, free) = refs
         wg = lax.axis_index("wg")
         ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         steps_of = lambda t: G * tile(t).steps  # ring uses: every query head of the group
-
-        def load_kv(tl, w):  # warpgroup w's 64 keys of tile tl: K (V, row ids)
-            gk = (tl.b, pl.ds(tl.r0 + w * ROWS, ROWS), tl.n)
-            plgpu.copy_gmem_to_smem(k_ref.at[gk], k_smem.at[w], kv_bar.at[w])
-            if want_dk:
-                plgpu.copy_gmem_to_smem(v_ref.at[gk], v_smem.at[w], kv_bar.at[w])
-            if segmented:
-                plgpu.copy_gmem_to_smem(row_ids_ref.at[gk[:2]], row_ids_smem.at[w], kv_bar.at[w])
 
         def consumer():
             total = schedule.total(table_ref, steps_of)
@@ -740,9 +719,12 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                 keys = tl.r0 + wg * ROWS
                 per_head = tl.steps
                 gk = (tl.b, pl.ds(keys, ROWS), tl.n)
-                if not next_kv_early:  # else the producer loads them
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
-                    load_kv(tl, wg)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
+                plgpu.copy_gmem_to_smem(k_ref.at[gk], k_s, kv_bar.at[wg])
+                if want_dk:
+                    plgpu.copy_gmem_to_smem(v_ref.at[gk], v_s, kv_bar.at[wg])
+                if segmented:
+                    plgpu.copy_gmem_to_smem(row_ids_ref.at[gk[:2]], row_ids_smem.at[wg], kv_bar.at[wg])
                 plgpu.barrier_wait(kv_bar.at[wg])
                 row_ids = segment_ids(row_ids_smem, wg, 1)
 
@@ -796,16 +778,10 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                     return three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
 
                 accs = lax.fori_loop(0, G, head, tuple(zeros((ROWS, widths[name])) for name in parts))
-                if next_kv_early:  # k_s, v_s are read no more: the producer may load the next tile's
-                    pl.when(schedule.has_next(table_ref, kk))(lambda: plgpu.barrier_arrive(kv_free.at[wg]))
-                # The results go out through their own buffer, or else the K/V buffers (every wgmma
-                # reading them is done).
+                # The results go out through the K/V buffers (every wgmma reading them is done).
                 bufs = {"dk": k_s, "dv": k_s if v_s is None else v_s}
                 for name, acc in zip(parts, accs):
                     buf = bufs[name]
-                    if next_kv_early:
-                        buf = out_smem.at[wg]
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last store has read it
                     buf[...] = (acc * spec.scale if name == "dk" else acc).astype(dt)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(buf, out_refs[name].at[gk])
@@ -833,28 +809,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                         plgpu.copy_gmem_to_smem(col_ids_ref.at[rows[:2]], col_ids_smem.at[slot], loaded.at[slot])
                     return c
 
-                n_loads = G * tl.steps
-                if next_kv_early:
-                    # This tile's K/V once the consumers are done with the last one's (kv_free):
-                    # the first tile's before its loads, a later one's after its first `stages`
-                    # loads (the last of which waited for the ring slot of the last tile's last step).
-                    kv_at = jnp.where(kk == 0, -1, jnp.minimum(stages, n_loads) - 1)
-
-                    def load_tile_kv():
-                        for w in range(WGS):
-                            pl.when(kk > 0)(lambda w=w: plgpu.barrier_wait(kv_free.at[w]))
-                            load_kv(tl, w)
-
-                    def load_then_kv(i, c):
-                        c = load(i, c)
-                        pl.when(i == kv_at)(load_tile_kv)
-                        return c
-
-                    pl.when(kv_at < 0)(load_tile_kv)
-                    lax.fori_loop(0, n_loads, load_then_kv, None)
-                else:
-                    lax.fori_loop(0, n_loads, load, None)
-                return base + n_loads
+                lax.fori_loop(0, G * tl.steps, load, None)
+                return base + G * tl.steps
 
             return one_tile
 
@@ -870,17 +826,15 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
         plgpu.SMEM((stages, bq), F32),
         plgpu.SMEM((stages, bq), F32) if want_dk else None,
         plgpu.SMEM((WGS, 2, ROWS, bq), dt, transforms=tr) if packed else None,
-        plgpu.SMEM((WGS, ROWS, H), dt, transforms=tr) if next_kv_early else None,
         *_staging_and_segment_buffers(dt, bq, stages, interpret, segmented),
     ]
     # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
     bars = _backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
                               segmented=segmented)
-    bars.append(plgpu.Barrier(num_arrivals=1, num_barriers=WGS) if next_kv_early else None)  # kv_free
     out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts) + (
         (jax.ShapeDtypeStruct((B, N, packed.entries, CTA, bq), dt),) if packed else ())
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
-    return launch(name, kernel, scratch, bars, out_type, schedule, interpret, row_reductions_only=next_kv_early)(
+    return launch(name, kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *segment_inputs(kv_segment_ids, q_segment_ids),
         jnp.asarray(packed.base if packed else np.zeros(1, np.int32)))
 
