@@ -55,6 +55,10 @@ class Timing:
     temp_bytes: float | None = None
     # Ratio to the spec's main anchor (e.g. cuDNN for attention) timed in the same rounds.
     speedup_vs_anchor: float | None = None
+    # Per-call ms of each round, in round order, and the ratio to the anchor round by round (a
+    # paired statistic: both were timed within one round, so clock drift between rounds cancels).
+    rounds_ms: tuple[float, ...] = ()
+    speedup_vs_anchor_rounds: tuple[float, ...] = ()
 
 
 def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float]:
@@ -165,13 +169,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     med = statistics.median(rounds[name])
                     row.append(Timing(op_name, shape.name, shape.dims, shape.dtype, mode, name, med * 1e3,
                                       (min(rounds[name]) * 1e3, max(rounds[name]) * 1e3), nbytes, flops, nbytes / med / 1e12,
-                                      flops / med / 1e12, floor_s / med, temp_bytes=temp))
+                                      flops / med / 1e12, floor_s / med, temp_bytes=temp,
+                                      rounds_ms=tuple(t * 1e3 for t in rounds[name])))
                     print(f"  {op_name} {shape.name} {mode} {name}: {med * 1e3:.4f} ms"
                           + (f" {flops / med / 1e12:.0f} TFLOP/s" if flops else f" {nbytes / med / 1e9:.0f} GB/s"), flush=True)
                 xla = next((t for t in row if t.backend == "xla"), None)
                 anchor = next((t for t in row if t.backend == f"anchor:{spec.main_anchor}"), None)
-                results += [dataclasses.replace(t, speedup_vs_xla=(xla.median_ms / t.median_ms) if xla else None,
-                                                speedup_vs_anchor=(anchor.median_ms / t.median_ms) if anchor else None) for t in row]
+                results += [dataclasses.replace(
+                    t, speedup_vs_xla=(xla.median_ms / t.median_ms) if xla else None,
+                    speedup_vs_anchor=(anchor.median_ms / t.median_ms) if anchor else None,
+                    speedup_vs_anchor_rounds=tuple(a / b for a, b in zip(anchor.rounds_ms, t.rounds_ms)) if anchor else ())
+                    for t in row]
                 del fns  # free the executables' buffers before the next shape
     return {
         "device": device.device_kind,
