@@ -385,44 +385,6 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             v_ring.release(last, g, total)
             return acc
 
-        def first_qk(mma, q_s, slot, g, total, rows, j, masked, row_ids, m, l):
-            """The overlapped schedule's opening block j (ring use g in `slot`): Q K^T alone in the
-            warpgroup's turn, then its softmax from statistics (m, l): (p, m', l')."""
-            plgpu.barrier_wait(k_bar.at[slot])
-            col_ids = col_ids_at(slot, masked)
-            sched.turn()
-            s = mma(q_s, k_smem.at[slot].transpose((1, 0)), (ROWS, bkv), after_issue=sched.handover)
-            k_ring.release(slot, g, total)
-            p, m, l, _ = softmax(s, m, l, rows, j, masked, (row_ids, col_ids))
-            return p, m, l
-
-        def overlapped_step(mma, q_s, g, total, rows, j, masked, row_ids, acc, m, l, p_prev):
-            """Block j (ring use g) in the warpgroup's turn: Q K_j^T and the previous use's P V
-            issued together, block j's softmax while that P V is in flight (FA3's intra-warpgroup
-            overlap): (acc + P V, p16, m', l', alpha). Interpret mode runs it synchronously."""
-            slot, prev = lax.rem(g, i32(stages)), lax.rem(g - 1, i32(stages))
-            plgpu.barrier_wait(k_bar.at[slot])
-            col_ids = col_ids_at(slot, masked)
-            plgpu.barrier_wait(v_bar.at[prev])
-            sched.turn()
-
-            def between(s):  # runs while the previous P V is in flight
-                k_ring.release(slot, g, total)
-                p, m_new, l_new, alpha = softmax(s, m, l, rows, j, masked, (row_ids, col_ids))
-                return p.astype(dt), m_new, l_new, alpha
-
-            acc, (p16, m, l, alpha) = mma.overlapped(
-                q_s, k_smem.at[slot].transpose((1, 0)), (ROWS, bkv), p_prev, v_smem.at[prev], acc, between,
-                (p_prev, m, l, m), after_issue=sched.handover)
-            v_ring.release(prev, g - 1, total)
-            return acc, p16, m, l, alpha
-
-        def after_first_block(tl, body, carry):
-            """body(j, carry, masked) over blocks lo + 1 .. hi - 1 of tile tl (block lo opened it)."""
-            first = tl.lo + 1
-            mid_lo = jnp.maximum(tl.full_lo, first)
-            return three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, body, carry, band, segmented)
-
         def sequential(tl, base, total, rows, row_ids, q_s, mma, m, l, q_free):
             """Ping-pong per block: Q K_j^T, softmax, P_j V_j; a WG waits for its turn before P V."""
             pl.when(wg == 1)(sched.turn)  # WG 1 starts one turn behind
@@ -460,16 +422,39 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             the tensor cores over, runs block j's softmax while its P V is still in flight, then
             rescales. Interpret mode runs the same order synchronously."""
             pl.when(wg == 1)(sched.handover)  # WG 0 takes the first turn
-            p, m, l = first_qk(mma, q_s, lax.rem(base, i32(stages)), base, total, rows, tl.lo, band.masks or segmented,
-                               row_ids, m, l)
+            first_slot = lax.rem(base, i32(stages))
+            plgpu.barrier_wait(k_bar.at[first_slot])
+            first_masked = band.masks or segmented
+            col_ids = col_ids_at(first_slot, first_masked)
+            sched.turn()
+            s = mma(q_s, k_smem.at[first_slot].transpose((1, 0)), (ROWS, bkv), after_issue=sched.handover)
+            k_ring.release(first_slot, base, total)
+            p, m, l, _ = softmax(s, m, l, rows, tl.lo, first_masked, (row_ids, col_ids))
 
             def step(j, carry, masked):
                 acc, m, l, p_prev = carry
-                acc, p16, m, l, alpha = overlapped_step(mma, q_s, base + j - tl.lo, total, rows, j, masked, row_ids,
-                                                        acc, m, l, p_prev)
+                g = base + j - tl.lo
+                slot, prev = lax.rem(g, i32(stages)), lax.rem(g - 1, i32(stages))
+                plgpu.barrier_wait(k_bar.at[slot])
+                col_ids = col_ids_at(slot, masked)
+                plgpu.barrier_wait(v_bar.at[prev])
+                sched.turn()
+
+                def between(s):  # runs while P_{j-1} V_{j-1} is in flight
+                    k_ring.release(slot, g, total)
+                    p, m_new, l_new, alpha = softmax(s, m, l, rows, j, masked, (row_ids, col_ids))
+                    return p.astype(dt), m_new, l_new, alpha
+
+                acc, (p16, m, l, alpha) = mma.overlapped(
+                    q_s, k_smem.at[slot].transpose((1, 0)), (ROWS, bkv), p_prev, v_smem.at[prev], acc,
+                    between, (p_prev, m, l, m), after_issue=sched.handover)
+                v_ring.release(prev, g - 1, total)
                 return acc * bcast(alpha, acc.shape, 0), m, l, p16
 
-            acc, m, l, p16 = after_first_block(tl, step, (zeros((ROWS, Hv)), m, l, p.astype(dt)))
+            first = tl.lo + 1  # block lo was the prologue
+            mid_lo = jnp.maximum(tl.full_lo, first)
+            acc, m, l, p16 = three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, step,
+                                          (zeros((ROWS, Hv)), m, l, p.astype(dt)), band, segmented)
             q_free()  # every Q K^T of this tile is done
             return last_pv(mma, acc, p16, base + tl.steps - 1, total), m, l
 
@@ -547,14 +532,28 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
                                         q_smem.at[q_buf(kk)], q_bar.at[q_buf(kk)])
 
             def step(tl, kk, base, j, carry, masked, first=False):
-                """`overlapped_step` for block j of tile kk. first: block j starts the tile (fresh m
-                and l; the P V in flight is the previous tile's last)."""
+                """Block j of tile kk with the previous ring use's P V in flight: (acc + P V, then
+                block j's p16, m', l', alpha). first: block j starts the tile (fresh m and l)."""
                 acc, m, l, p_prev = carry
+                g = base + j - tl.lo
+                slot, prev = lax.rem(g, i32(stages)), lax.rem(g - 1, i32(stages))
                 if first:
                     plgpu.barrier_wait(q_bar.at[q_buf(kk)])
                     m, l = fresh()
-                return overlapped_step(mma, q_smem.at[q_buf(kk)], base + j - tl.lo, total, tl.r0 + wg * ROWS, j,
-                                       masked, None, acc, m, l, p_prev)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[prev])
+                sched.turn()
+
+                def between(s):  # runs while the previous P V is in flight
+                    k_ring.release(slot, g, total)
+                    p, m_new, l_new, alpha = softmax(s, m, l, tl.r0 + wg * ROWS, j, masked, (None, None))
+                    return p.astype(dt), m_new, l_new, alpha
+
+                acc, (p16, m, l, alpha) = mma.overlapped(
+                    q_smem.at[q_buf(kk)], k_smem.at[slot].transpose((1, 0)), (ROWS, bkv), p_prev, v_smem.at[prev],
+                    acc, between, (p_prev, m, l, m), after_issue=sched.handover)
+                v_ring.release(prev, g - 1, total)
+                return acc, p16, m, l, alpha
 
             def rest(tl, kk, base, carry):
                 """Blocks lo + 1 .. hi - 1 of tile kk."""
@@ -562,7 +561,9 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
                     acc, p16, m, l, alpha = step(tl, kk, base, j, carry, masked)
                     return acc * bcast(alpha, acc.shape, 0), m, l, p16
 
-                return after_first_block(tl, body, carry)
+                first = tl.lo + 1
+                mid_lo = jnp.maximum(tl.full_lo, first)
+                return three_loops(first, mid_lo, jnp.maximum(tl.full_hi, mid_lo), tl.hi, body, carry, band)
 
             def next_tile(kk, state):
                 carry, base = state
@@ -578,8 +579,11 @@ def _flash_forward(q, k, v, q_segment_ids, kv_segment_ids, spec, tails: Tails):
             pl.when(wg == 1)(sched.handover)  # WG 0 takes the first turn
             tl = tile_of(i32(0))  # its first block: Q K^T alone
             plgpu.barrier_wait(q_bar.at[q_buf(i32(0))])
-            p, m, l = first_qk(mma, q_smem.at[q_buf(i32(0))], i32(0), i32(0), total, tl.r0 + wg * ROWS, tl.lo,
-                               band.masks, None, *fresh())
+            plgpu.barrier_wait(k_bar.at[0])
+            sched.turn()
+            s = mma(q_smem.at[q_buf(i32(0))], k_smem.at[0].transpose((1, 0)), (ROWS, bkv), after_issue=sched.handover)
+            k_ring.release(i32(0), i32(0), total)
+            p, m, l, _ = softmax(s, *fresh(), tl.r0 + wg * ROWS, tl.lo, band.masks, (None, None))
             carry = rest(tl, i32(0), i32(0), (zeros((ROWS, Hv)), m, l, p.astype(dt)))
             carry, _ = lax.fori_loop(1, tiles, next_tile, (carry, tl.steps))
             acc, m, l, p16 = carry
