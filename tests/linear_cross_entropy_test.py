@@ -15,7 +15,6 @@ inputs), so its bf16 forward tolerance is looser than xla_chunked's.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Integer
