@@ -7,8 +7,10 @@
 """
 
 from forgeax import ops
-from forgeax.ops.interface import (
+from forgeax.core import (
     Implementation,
+    KernelConfig,
+    Selection,
     UnsupportedError,
     define_op,
     explain,
@@ -20,6 +22,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Implementation",
+    "KernelConfig",
+    "Selection",
     "UnsupportedError",
     "define_op",
     "explain",

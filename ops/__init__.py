@@ -5,12 +5,12 @@
     y = ops.rms_norm(x, scale, backend="triton")  # that backend, or UnsupportedError
 """
 
-from forgeax.ops.interface import (
+from forgeax.core import (
     OPS,
     Decision,
     Explanation,
     Implementation,
-    Tuned,
+    KernelConfig,
     UnsupportedError,
     current_platform,
     define_op,
@@ -29,7 +29,7 @@ __all__ = [
     "Decision",
     "Explanation",
     "Implementation",
-    "Tuned",
+    "KernelConfig",
     "UnsupportedError",
     "attention",
     "cross_entropy",

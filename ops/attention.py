@@ -10,7 +10,7 @@ from jaxtyping import Array, Bool, Float, Integer
 
 from forgeax.kernels.common.attention import AttentionSpec, dropout_seed_from_key
 from forgeax.ops import checks
-from forgeax.ops.interface import define_op, xla_gpu_deterministic_ops
+from forgeax.core import define_op, xla_gpu_deterministic_ops
 
 # Priority on each platform, best first (xla is always the fallback); `_training_order` goes first
 # for the calls it names, and for calls that are not differentiated `_inference_order` before that. The xla entry on CPU/GPU/TPU is the materialised
@@ -168,8 +168,6 @@ ATTENTION = define_op(
         "pallas_tpu": "forgeax.kernels.pallas.tpu.attention:ATTENTION",
     },
     _PRIORITY,
-    inference_order=_inference_order,
-    training_order=_training_order,
 )
 
 

@@ -10,10 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from forgeax.ops import checks
-from forgeax.ops.interface import define_op
-
-# Priority on each platform, best first (xla is always the fallback).
-_PRIORITY = {"gpu": ("triton",), "tpu": ("pallas_tpu",), "cpu": ()}
+from forgeax.core import Selection, define_op
 
 CROSS_ENTROPY = define_op(
     "cross_entropy",
@@ -22,7 +19,7 @@ CROSS_ENTROPY = define_op(
         "triton": "forgeax.kernels.triton.cross_entropy:CROSS_ENTROPY",
         "pallas_tpu": "forgeax.kernels.pallas.tpu.cross_entropy:CROSS_ENTROPY",
     },
-    _PRIORITY,
+    selection=Selection.load("forgeax.ops", "rules/cross_entropy.json"),
 )
 
 REDUCTIONS = ("mean", "sum", "none")

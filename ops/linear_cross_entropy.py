@@ -8,11 +8,8 @@ from jaxtyping import Array, Float, Integer
 
 from forgeax.ops import checks
 from forgeax.ops.cross_entropy import check_options, check_targets
-from forgeax.ops.interface import define_op
+from forgeax.core import Selection, define_op
 
-# Priority on each platform, best first (xla, the materialising reference, is
-# always the fallback, and stays the CPU default).
-_PRIORITY = {"gpu": ("triton", "xla_chunked"), "tpu": ("pallas_tpu", "xla_chunked"), "cpu": ()}
 
 LINEAR_CROSS_ENTROPY = define_op(
     "linear_cross_entropy",
@@ -23,7 +20,7 @@ LINEAR_CROSS_ENTROPY = define_op(
         "pallas_gpu": "forgeax.kernels.pallas.gpu.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
         "pallas_tpu": "forgeax.kernels.pallas.tpu.linear_cross_entropy:LINEAR_CROSS_ENTROPY",
     },
-    _PRIORITY,
+    selection=Selection.load("forgeax.ops", "rules/linear_cross_entropy.json"),
 )
 
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from jaxtyping import Array, Float
 
+from forgeax.core import Selection, define_op
 from forgeax.ops import checks
-from forgeax.ops.interface import Tuned, define_op
 
 _BACKENDS = "forgeax.kernels.{}.norms:{}"
 
-# Priority on each platform, best first (xla is always the fallback). On GPUs
-# the order comes from benchmarks/results/norms_*.json (see README).
-_PRIORITY = {"gpu": ("triton", "pallas_gpu"), "tpu": ("pallas_tpu",), "cpu": ()}
+
+def _features(args, kwargs) -> dict:
+    """What the selection rules (rules/rms_norm.json, rules/layer_norm.json) read of a call."""
+    del kwargs
+    x = args[0]
+    return {"dim": int(x.shape[-1]), "rows": int(x.size // max(x.shape[-1], 1)), "dtype": x.dtype.name}
 
 
 def _backends(attr: str) -> dict[str, str]:
@@ -19,15 +22,10 @@ def _backends(attr: str) -> dict[str, str]:
     return {name: _BACKENDS.format(module, attr) for name, module in modules.items()}
 
 
-# Measured exceptions to the priority (benchmarks/results/norms+cross_entropy_H200.json):
-# at D = 768 the Mosaic GPU RMSNorm ran fwd+bwd 1.52x XLA where Triton ran 0.98x.
-_RMS_TUNED = (
-    Tuned(device="NVIDIA H200", order=("pallas_gpu",), max_last_dim=1024,
-          evidence="benchmarks/results/norms+cross_entropy_H200.json: rms_norm 16384x768 bf16"),
-)
-
-RMS_NORM = define_op("rms_norm", _backends("RMS_NORM"), _PRIORITY, tuned=_RMS_TUNED)
-LAYER_NORM = define_op("layer_norm", _backends("LAYER_NORM"), _PRIORITY)
+RMS_NORM = define_op("rms_norm", _backends("RMS_NORM"), selection=Selection.load("forgeax.ops", "rules/rms_norm.json"),
+                     features=_features)
+LAYER_NORM = define_op("layer_norm", _backends("LAYER_NORM"), selection=Selection.load("forgeax.ops", "rules/layer_norm.json"),
+                       features=_features)
 
 
 def _check(x, params: dict, eps: float) -> None:

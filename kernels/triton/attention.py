@@ -62,7 +62,8 @@ from forgeax.kernels.common.attention import (
 )
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
-from forgeax.ops.interface import Implementation, current_device_kind, interpret_enabled
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import current_device_kind, interpret_enabled
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256

@@ -46,7 +46,8 @@ from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.losses import reduce_loss
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import interpret_enabled
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

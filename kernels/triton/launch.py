@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from forgeax.ops.interface import interpret_enabled
+from forgeax.core.runtime import interpret_enabled
 
 __all__ = ["triton_call"]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.triton import cross_entropy as triton_ce
-from forgeax.ops.interface import Implementation
+from forgeax.core.registry import Implementation
 
 
 def _row_options(opts: chunked.Options):

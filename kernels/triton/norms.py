@@ -37,7 +37,8 @@ import triton.language as tl
 
 from forgeax.kernels.common.norms import NormKernels, differentiable_norm
 from forgeax.kernels.triton.launch import triton_call
-from forgeax.ops.interface import Implementation, gpu_sm_count, interpret_enabled
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 
 # Largest D one program handles as a single register tile. ptxas (sm_90a) shows
 # no spills up to D=8192 at the default configs; at D=16384 the backward spills

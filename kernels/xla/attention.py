@@ -25,9 +25,8 @@ from forgeax.kernels.common.attention import (
     dropout_keep,
     reduce_bias_grad,
 )
-from forgeax.ops.interface import (
-    Implementation, current_compute_capability, current_compute_capability_major, xla_gpu_deterministic_ops,
-)
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import current_compute_capability, current_compute_capability_major, xla_gpu_deterministic_ops
 
 HIGHEST = lax.Precision.HIGHEST
 

@@ -29,7 +29,7 @@ from jax import lax
 from jaxtyping import Array, Float, Integer
 
 from forgeax.kernels.common.losses import reduce_loss
-from forgeax.ops.interface import Implementation
+from forgeax.core.registry import Implementation
 
 
 def cross_entropy(

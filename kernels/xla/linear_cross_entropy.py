@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Integer
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.xla import cross_entropy as ce_reference
-from forgeax.ops.interface import Implementation
+from forgeax.core.registry import Implementation
 
 
 def linear_cross_entropy(

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from forgeax.ops.interface import Implementation
+from forgeax.core.registry import Implementation
 
 
 def rms_norm(x: Float[Array, "*B D"], scale: Float[Array, " D"], *, eps: float) -> Float[Array, "*B D"]:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forgeax.ops.interface import (
-    current_compute_capability, current_compute_capability_major, current_platform, interpret_enabled,
-)
+from forgeax.core.runtime import current_compute_capability, current_compute_capability_major, current_platform, interpret_enabled
 
 
 def gpu_refusal(*, wgmma: bool) -> str | None:

@@ -102,7 +102,8 @@ from forgeax.kernels.pallas.gpu.warpgroups import (
     CTA, F32, FIRST_NAMED_BARRIER, ROWS, WGS, Mma, PingPong, Schedule, SlotFree, bcast, full_rows, i32, launch,
     transforms, warp_specialized, zeros,
 )
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import interpret_enabled
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)

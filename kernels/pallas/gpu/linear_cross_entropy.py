@@ -64,7 +64,8 @@ from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.xla import linear_cross_entropy as xla_lce
 from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
-from forgeax.ops.interface import Implementation, gpu_sm_count, interpret_enabled
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 
 _F32 = jnp.float32
 _WG_ROWS = 128  # rows per compute warpgroup (a 128 x 128 f32 accumulator = 128 registers/thread)

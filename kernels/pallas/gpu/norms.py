@@ -49,7 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.norms import NormKernels, differentiable_norm, rms_only, row_count
 from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
-from forgeax.ops.interface import Implementation
+from forgeax.core.registry import Implementation
 
 _F32 = jnp.float32
 _LANES = 32

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forgeax.ops.interface import gpu_sm_count
+from forgeax.core.runtime import gpu_sm_count
 
 F32 = jnp.float32
 ROWS = 64  # rows per consumer warpgroup (the wgmma M)

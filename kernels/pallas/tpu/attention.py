@@ -79,7 +79,8 @@ from forgeax.kernels.common.attention import (
     segment_ranges,
 )
 from forgeax.kernels.pallas.interpret import without_effects
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import interpret_enabled
 
 __all__ = ["ATTENTION"]
 

@@ -51,7 +51,8 @@ from jax.experimental.pallas import tpu as pltpu
 from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.losses import reduce_loss
 from forgeax.kernels.pallas.interpret import without_effects
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import interpret_enabled
 
 __all__ = ["CROSS_ENTROPY", "Tiling", "grad_rows", "loss_rows", "row_options", "tiling"]
 

@@ -33,9 +33,7 @@ import jax.numpy as jnp
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
-from forgeax.ops.interface import Implementation
-
-
+from forgeax.core.registry import Implementation
 def _row_options(opts: chunked.Options):
     return tpu_ce.row_options(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, logit_soft_cap=opts.soft_cap or None)
 

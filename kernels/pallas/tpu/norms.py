@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from forgeax.kernels.common.norms import NormKernels, differentiable_norm, rms_only
-from forgeax.ops.interface import Implementation, interpret_enabled
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import interpret_enabled
 
 __all__ = ["RMS_NORM", "LAYER_NORM", "block_rows"]
 

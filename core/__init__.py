@@ -1,0 +1,23 @@
+"""forgeax.core: the bottom layer that kernels and ops both import.
+
+`runtime` (platform, device kind, interpret mode), `registry` (`Implementation`,
+`UnsupportedError`), `config` (kernel config dataclasses and tuned-config data),
+`selection` (rules as data) and `dispatch` (`Op`, the registry, `explain`). Nothing here
+imports a kernel or an op.
+"""
+
+from forgeax.core.config import KernelConfig, TunedConfigs, TunedEntry, call_key
+from forgeax.core.dispatch import OPS, Choice, Decision, Explanation, Op, define_op, explain, register_backend
+from forgeax.core.registry import Implementation, ImplementationRef, UnsupportedError
+from forgeax.core.runtime import (
+    PLATFORMS,
+    current_compute_capability,
+    current_compute_capability_major,
+    current_device_kind,
+    current_platform,
+    gpu_sm_count,
+    interpret_enabled,
+    interpret_mode,
+    xla_gpu_deterministic_ops,
+)
+from forgeax.core.selection import Rule, Selection
