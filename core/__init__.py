@@ -21,3 +21,11 @@ from forgeax.core.runtime import (
     xla_gpu_deterministic_ops,
 )
 from forgeax.core.selection import Rule, Selection
+
+__all__ = [
+    "OPS", "PLATFORMS", "Choice", "Decision", "Explanation", "Implementation", "ImplementationRef",
+    "KernelConfig", "Op", "Rule", "Selection", "TunedConfigs", "TunedEntry", "UnsupportedError",
+    "call_key", "current_compute_capability", "current_compute_capability_major", "current_device_kind",
+    "current_platform", "define_op", "explain", "gpu_sm_count", "interpret_enabled", "interpret_mode",
+    "register_backend", "xla_gpu_deterministic_ops",
+]

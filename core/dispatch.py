@@ -178,7 +178,7 @@ class Op:
             if isinstance(impl, str):
                 reason = impl
             elif config is not None and not (impl.config_type and isinstance(config, impl.config_type)):
-                reason = f"takes {impl.config_type.__name__ if impl.config_type else 'no config'}, not the {type(config).__name__} passed"
+                reason = f"config: this backend takes {impl.config_type.__name__ if impl.config_type else 'no config'}, not the {type(config).__name__} passed"
             else:
                 reason = impl.why_not(platform, args, kwargs)
             if reason is None:

@@ -8,153 +8,40 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Integer
 
+from forgeax.core import KernelConfig, Selection, define_op, xla_gpu_deterministic_ops
 from forgeax.kernels.common.attention import AttentionSpec, dropout_seed_from_key
 from forgeax.ops import checks
-from forgeax.core import define_op, xla_gpu_deterministic_ops
-
-# Priority on each platform, best first (xla is always the fallback); `_training_order` goes first
-# for the calls it names, and for calls that are not differentiated `_inference_order` before that. The xla entry on CPU/GPU/TPU is the materialised
-# reference; "xla_chunked" is the linear-memory XLA version.
-# GPU: cuDNN (through XLA) first for the calls it computes exactly (see its supports(): no bias,
-# mask, segments, dropout, soft cap, lse, or deterministic backward): on an H200 its fwd+bwd was
-# faster than pallas_gpu's on every shape of benchmarks/results/attention_H200_overlapped_forward.json
-# (causal B4 T4096 N32 H128: 4.07 vs 4.41 ms; non-causal 7.20 vs 8.00; GQA 3.79 vs 4.31; H64 2.60
-# vs 2.84; H256 2.46 vs 5.50, and 2.48 vs 3.04 since pallas_gpu's own head_dim-256 backward,
-# results/attention_H200_2026-11-26_h256_backward.json), though pallas_gpu's forward alone is
-# faster at head_dim 128 causal (0.985 vs 1.052 ms). Mosaic GPU next (it beat Triton on every
-# shape), then Triton, which covers every feature.
-_PRIORITY = {"gpu": ("cudnn", "pallas_gpu", "triton"), "tpu": ("pallas_tpu",), "cpu": ()}
-# pallas_gpu's kernel head dims (`_HEAD_DIMS` in kernels/pallas/gpu/attention.py, which //ops cannot
-# import: the kernels depend on it; test_pallas_gpu_head_dims_match keeps the two equal).
-_PALLAS_GPU_HEAD_DIMS = (64, 96, 128, 192, 256)
-# Causal GQA at head_dim 128 tries pallas_gpu first while a [B, N, T, S] array of 16-bit scores
-# would fit this (`_pallas_gpu_gqa_first`): the lengths where it was measured faster than cuDNN.
-_PALLAS_GPU_GQA_MAX_SCORES_BYTES = 4 << 30
-# pallas_gpu's q/k head dims whose forward runs one pipeline across each CTA's tiles
-# (`_FLAT_FORWARD_HEAD_DIMS` in kernels/pallas/gpu/attention.py; test_pallas_gpu_head_dims_match
-# keeps the two equal): its forward kernel is faster than cuDNN's there (`_inference_order`).
-_PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS = (128,)
 
 
-def _inference_order(platform: str, args, kwargs) -> tuple[str, ...]:
-    """Forward-only calls (not differentiated) that try pallas_gpu before cuDNN: causal/window with
-    GQA, or a window, where its forward kernel was measured at least as fast as cuDNN's and the
-    call faster (H200, benchmarks/results/attention_H200_kernel_times.json, kernel / wall ms
-    against cuDNN's: GQA T8192 0.823 / 0.868 against 0.883 / 0.971; window 4096 T16384 1.562 /
-    1.625 against 1.598 / 1.693), and side by side in tools/bench.py's rounds (GQA 1.15-1.16x,
-    window 1.15-1.18x: results/attention_H200_2026-11-25_segments.json,
-    results/attention_H200_2026-11-25_in_place_table.json). Head_dim 256 stays on cuDNN: its kernel
-    times were even (0.447 against 0.450 ms) and the same bench rounds had pallas_gpu at 0.99x and
-    0.96x, the default (then pallas_gpu) at 0.90x. Plain causal at head_dim <= 128 without GQA
-    stays on cuDNN: the evidence is mixed and inside the noise between two timings of one
-    computation (4-5%). cuDNN's kernel is 1-2% faster by CUPTI (0.924-
-    0.934 against the persistent pallas_gpu forward's 0.942 ms, H200,
-    results/attention_persistent_forward_in_order.json), while whole calls favour pallas_gpu
-    (1.08-1.13x in alternating-order rounds, results/attention_H200_2026-11-25_abba.json; 1.05x per
-    call in one program of 8, results/attention_in_program.json). Attention without a position
-    mask stays on cuDNN too (1.593 against 1.720 ms). A differentiated call keeps the training
-    priority above for its forward and backward (interface._split).
-
-    Since pallas_gpu's forward runs one pipeline across each CTA's tiles at head_dim 128
-    (`_PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS`), plain causal there goes to pallas_gpu too: its kernel
-    took 0.920 and 0.926 ms against cuDNN's 0.955 and 0.953 in two H100 runs (CUPTI, causal B4
-    T4096 N32), the call 1.06-1.12x cuDNN's in three sets of rounds
-    (results/attention_H100_2026-11-26_flat_forward_{causal,bench}.json,
-    attention_H100_2026-11-26_flat_forward_repeat_causal.json), and even inside a program of 8
-    forwards (1.032 against 1.028 ms per call, attention_H100_2026-11-26_flat_forward_program_fwd.json)."""
+def _features(args, kwargs) -> dict:
+    """What the selection rules (rules/attention.json) read of a call, from the normalised
+    arguments (q, k, v `[B, T|S, N|K, H]`, bias, mask, segment ids, dropout seed) and the spec."""
     q, k, v = args[0], args[1], args[2]
-    spec = kwargs["spec"]
-    if platform == "gpu" and _pallas_gpu_pads_head_dims(args):
-        return ("cudnn", "triton")
-    if platform != "gpu" or not spec.has_position_mask or not _aligned(args):
-        return ()
-    flat = q.shape[3] in _PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS and v.shape[3] == q.shape[3]
-    if q.shape[2] > k.shape[2] or spec.window_left is not None or flat:
-        return ("pallas_gpu",)
-    return ()
+    spec: AttentionSpec = kwargs["spec"]
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu  # noqa: PLC0415 - a kernel fact, read only on GPUs
 
-
-def _training_order(platform: str, args, kwargs) -> tuple[str, ...]:
-    """Calls that try pallas_gpu before cuDNN, for the forward and the backward: causal attention
-    without a window at head_dim 64, 96 or 192 (v's equal). At 96, B4 T4096 N32 on an H200,
-    fwd 0.816 against cuDNN's 0.996 ms and fwd+bwd 3.271 against 3.975 (1.22x) in tools/bench.py's
-    rounds, fwd 0.840 against 1.055 and fwd+bwd 3.411 against 4.021 in tune_attention.py's
-    (results/attention_H200_2026-11-26_head_dim_96.json). At 192, B4 T4096 N16 on an H200, fwd+bwd
-    3.807 against cuDNN's 4.364 ms (1.15x; fwd 0.718 against 0.759) in tools/bench.py's rounds
-    and 3.942 against 4.389 in benchmarks/tune_attention.py's on another H200
-    (results/attention_H200_2026-11-26_head_dim_192.json); on a third, fwd+bwd 4.057 against
-    4.346 (1.07x) with the forward at 0.97x (0.790 against 0.763,
-    results/attention_H200_2026-11-26_new_head_dims_persistence.json): even at worst. Since its
-    backward streams 64-wide blocks at 192, fwd+bwd 3.326 against 4.475 (1.35x; fwd 0.735 against
-    0.728) in tools/bench.py's rounds (results/attention_H200_2026-11-26_h192_blocks_bench.json). At 64 its
-    fwd+bwd measured (causal B4 T4096 N32, against cuDNN's): 1.09x in tools/bench.py's alternating
-    rounds on an H100 (2.459 against 2.689 ms, results/attention_H100_2026-11-25_persistent_bwd.json) and 1.06x on an H200 (2.502 against
-    2.648, results/attention_H200_2026-11-25_final.json); CUPTI kernels 2.408 against 2.467 ms
-    (H100, results/attention_H100_persistent_backward.json); inside a program of 4 layers 1.01x
-    (H100) and 0.99x (H200, results/attention_in_program_fwd_bwd.json): at least even, and its
-    backward is deterministic. At head_dim 128 cuDNN stays first: pallas_gpu's kernels take longer
-    (3.889 against 3.782 ms) and in a program it measured 0.92-0.94x (its 7-matmul backward draws
-    more power per call and runs at a lower clock under the power cap,
-    results/attention_power_fwd_bwd_H100.json). Since its backward takes dq from the dK/dV kernel's
-    dz^T tiles (5 matmuls, `_DZ_TILES_HEAD_DIMS` in kernels/pallas/gpu/attention.py), head_dim 128
-    under GQA goes to pallas_gpu too, up to Llama-3-8B's length (`_pallas_gpu_gqa_first`):
-    Llama-3-8B's B1 T8192 N32 KV8 on an H100, fwd+bwd 1.09x cuDNN in tune_attention.py's rounds
-    (3.856 against 4.214 ms, results/attention_H100_2026-11-26_pallas_gpu_dq_from_dz_tiles_gqa.json)
-    and 1.02x inside a program of 4 layers (3.847 against 3.940 ms per call,
-    results/attention_H100_2026-11-26_in_program_gqa.json). Without GQA cuDNN stays first: 1.05-1.13x
-    in the rounds, but 0.96x in the program on the H100 (4.312 against 4.158,
-    results/attention_H100_2026-11-26_in_program.json) and even on an H200 (4.002 against 4.026,
-    results/attention_H200_2026-11-26_in_program.json)."""
-    spec = kwargs["spec"]
-    q, k, v = args[0], args[1], args[2]
-    if platform != "gpu" or not spec.causal or spec.window_left is not None or v.shape[3] != q.shape[3]:
-        return ()
-    if not _aligned(args):
-        return ()
-    if q.shape[3] in (64, 96, 192):
-        return ("pallas_gpu",)
-    if q.shape[3] == 128 and q.shape[-2] > k.shape[-2] and _pallas_gpu_gqa_first(q, k):
-        return ("pallas_gpu",)
-    return ()
-
-
-def _pallas_gpu_gqa_first(q, k) -> bool:
-    """Whether a causal GQA call at head_dim 128 is short enough to try pallas_gpu first: while
-    [B, N, T, S] in 16 bits (lengths rounded up to 128) fits `_PALLAS_GPU_GQA_MAX_SCORES_BYTES`,
-    4 GiB, as at Llama-3-8B's B1 T8192 N32, where its kernels (with the dz^T backward, which every
-    such call takes: `_dz_tiles` in kernels/pallas/gpu/attention.py packs the tiles into about
-    half of that) took 3.505 ms against cuDNN's 3.661 (H100, CUPTI,
-    results/attention_H100_2026-11-26_packed_dz_tiles_gqa.json). Longer calls stay on cuDNN: at
-    B1 T11264 N32 KV8, where the packed tiles still fit, pallas_gpu's kernels took 7.063 ms against
-    cuDNN's 6.755 (1.02x only in tools/bench.py-style rounds,
-    results/attention_H100_2026-11-26_packed_dz_tiles_gqa_T11264.json)."""
-    whole = lambda n: -(-n // 128) * 128
-    batch_heads = math.prod(q.shape[:-3]) * q.shape[-2]
-    nbytes = batch_heads * whole(q.shape[-3]) * whole(k.shape[-3]) * 2
-    return nbytes <= _PALLAS_GPU_GQA_MAX_SCORES_BYTES
-
-
-def _pallas_gpu_pads_head_dims(args) -> bool:
-    """A q/k head dim pallas_gpu's kernels lack (not in `_PALLAS_GPU_HEAD_DIMS`), which it
-    zero-pads to the next (`Tails` in kernels/pallas/gpu/attention_tiles.py; a v head dim that differs,
-    like MLA's 128 beside 192, runs at its own, `_kernel_head_dims`). Padded, its forward measured
-    slower than Triton's and its forward+backward faster (H200, bf16, causal, 96 padded to 128
-    before the 96 kernels, packed 8x2048, B1 T16384 N32, ms against Triton's: fwd 0.910 against
-    0.860, fwd+bwd 2.970 against 3.132; results/attention_H200_2026-11-26_padded_head_dims.json).
-    So a call that is not differentiated tries cuDNN and then Triton; under a gradient the
-    training priority stands (cuDNN, then pallas_gpu)."""
-    return args[0].shape[3] not in _PALLAS_GPU_HEAD_DIMS
-
-
-def _aligned(args) -> bool:
-    """T and S that pallas_gpu runs in place: at least 128 and multiples of 8 (`Tails` in
-    kernels/pallas/gpu/attention_tiles.py). The measurements behind the orders above are at multiples of
-    128; in place, T4000 ran like T4096 (soft cap B4 N32 H128 on an H100: fwd 1.153 against 1.140
-    ms, fwd+bwd 5.19 against 5.24; causal fwd 0.975 against cuDNN's 1.071,
-    results/attention_H100_unaligned_in_place.json). Other lengths copy the arrays padded, which
-    cost about 0.35 ms per forward at that size (1.508 ms), so they keep cuDNN first where it
-    computes the call."""
-    return all(n >= 128 and n % 8 == 0 for n in (args[0].shape[1], args[1].shape[1]))
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    whole = lambda n: -(-n // 128) * 128  # noqa: E731 - lengths as the kernels' 128-row tiles cover them
+    return {
+        "head_dim": H,
+        "v_head_dim": v.shape[3],
+        "same_v_head_dim": v.shape[3] == H,
+        "gqa": N > K,
+        "causal": spec.causal,
+        "window": spec.window_left is not None,
+        "position_mask": spec.has_position_mask,
+        # Lengths pallas_gpu runs in place (at least 128, multiples of 8); others are copied padded.
+        "aligned": all(n >= 128 and n % 8 == 0 for n in (T, S)),
+        "pallas_gpu_pads_head_dim": H not in pallas_gpu._HEAD_DIMS,
+        # [B, N, T, S] scores in 16 bits: what pallas_gpu's dz^T backward tiles take about half of.
+        "scores_bytes": B * N * whole(T) * whole(S) * 2,
+        "dtype": q.dtype.name,
+        "bias": args[3] is not None,
+        "mask": args[4] is not None,
+        "segments": args[5] is not None,
+        "dropout": args[7] is not None,
+    }
 
 
 ATTENTION = define_op(
@@ -167,7 +54,8 @@ ATTENTION = define_op(
         "pallas_gpu": "forgeax.kernels.pallas.gpu.attention:ATTENTION",
         "pallas_tpu": "forgeax.kernels.pallas.tpu.attention:ATTENTION",
     },
-    _PRIORITY,
+    selection=Selection.load("forgeax.ops", "rules/attention.json"),
+    features=_features,
 )
 
 
@@ -219,6 +107,7 @@ def attention(
     return_lse: bool = False,
     deterministic: bool | None = None,
     backend: str | None = None,
+    config: KernelConfig | None = None,
 ) -> Float[Array, "*B T N Hv"] | tuple[Float[Array, "*B T N Hv"], Float[Array, "*B T N"]]:
     """Multi-head scaled dot-product attention (flash attention on GPU/TPU backends).
 
@@ -254,11 +143,13 @@ def attention(
         rounding, not bit for bit; measured in benchmarks/results/attention_backward_determinism_H200.json). None (default) follows XLA's `--xla_gpu_deterministic_ops` flag (off unless
         set in XLA_FLAGS), like jax.nn.dot_product_attention's cuDNN path. The forward is always
         deterministic; xla, xla_chunked, triton and pallas_tpu always are.
-      backend: None (fastest measured for this device and shape; on Hopper a forward-only call may
-        run pallas_gpu's forward while a differentiated one runs cuDNN's forward and backward, see
-        `_inference_order`), "xla" (materialised reference),
+      backend: None (the selection rules of ops/rules/attention.json, then the platform priority;
+        on Hopper a forward-only call may run pallas_gpu's forward while a differentiated one
+        runs cuDNN's forward and backward: `forgeax.explain` shows which), "xla" (materialised reference),
         "xla_chunked" (linear memory), "triton", "pallas_gpu", "pallas_tpu" ("pallas"), "cudnn"
         (XLA's cuDNN fused attention, for the calls whose semantics it shares).
+      config: a kernel config of the chosen backend (e.g. the Triton or Mosaic GPU attention
+        config); with backend=None only backends taking that config type are considered.
 
     Returns:
       out `[*B, T, N, Hv]` in q's dtype, or (out, lse) with return_lse.
@@ -333,7 +224,7 @@ def attention(
         logit_soft_cap=logit_soft_cap, dropout_rate=rate, deterministic=deterministic,
         return_lse=bool(return_lse),
     )
-    out, lse = ATTENTION(q3, k3, v3, bias3, mask3, q_seg, kv_seg, seed, spec=spec, backend=backend)
+    out, lse = ATTENTION(q3, k3, v3, bias3, mask3, q_seg, kv_seg, seed, spec=spec, backend=backend, config=config)
     out = out.reshape(lead + tuple(out.shape[1:]))
     if not return_lse:
         return out

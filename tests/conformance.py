@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from forgeax.ops import interface
+from forgeax import core as interface
 
 # XLA sizes its CPU thread pool from NPROC, else the cores. The Mosaic GPU interpreter runs a kernel
 # as an XLA host callback that starts one program per warpgroup; a warpgroup's barrier wait is a

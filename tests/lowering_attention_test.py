@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from forgeax.kernels.common.attention import AttentionSpec
-from forgeax.ops import interface
+from forgeax import core as interface
 
 MARKER = {
     "triton": ("cuda", "triton_kernel_call"),

@@ -114,7 +114,7 @@ def test_mosaic_gpu_ops_refuse_gpus_that_cannot_run_them(capability, norms_refus
     from forgeax.kernels.pallas.gpu import attention as gpu_attention
     from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
 
-    from forgeax.ops import interface
+    from forgeax.core import runtime as interface
 
     monkeypatch.setattr(pallas_gpu, "current_platform", lambda: "gpu")
     for module in (interface, pallas_gpu):  # the major version is read through interface

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_specs  # noqa: E402  (a sibling module, also when run as a plain script)
 
-from forgeax.ops import interface  # noqa: E402
+from forgeax import core as interface  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

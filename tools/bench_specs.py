@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from forgeax import ops
-from forgeax.ops.interface import UnsupportedError
+from forgeax.core import UnsupportedError
 
 
 @dataclasses.dataclass(frozen=True)
