@@ -23,6 +23,7 @@ from forgeax.ops.attention import attention
 from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
 from forgeax.ops.norms import layer_norm, rms_norm
+from forgeax.ops.ring_attention import from_zigzag, pad_to_ring, ring_attention, to_zigzag
 
 __all__ = [
     "OPS",
@@ -36,10 +37,14 @@ __all__ = [
     "current_platform",
     "define_op",
     "explain",
+    "from_zigzag",
     "interpret_enabled",
     "interpret_mode",
     "layer_norm",
     "linear_cross_entropy",
+    "pad_to_ring",
     "register_backend",
+    "ring_attention",
     "rms_norm",
+    "to_zigzag",
 ]
