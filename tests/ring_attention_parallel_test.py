@@ -16,7 +16,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from forgeax import ops
-from forgeax.ops import ring_attention as ring
 
 if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts)", allow_module_level=True)
@@ -40,7 +39,7 @@ def _ring_loss(mesh, layout, segments, **kwargs):
     in_specs = (seq, seq, seq, seq) + ((seq, seq) if segments else ())
 
     def local(q, k, v, cot, *seg):
-        out = ring.ring_attention(q, k, v, axis_name="sp", layout=layout,
+        out = ops.ring_attention(q, k, v, axis_name="sp", layout=layout,
                                   segment_ids=tuple(seg) if seg else None, backend="xla", **kwargs)
         return out, jax.lax.psum(jnp.sum(out.astype(jnp.float32) * cot), "sp")
 
@@ -58,8 +57,8 @@ def _check(n, B, T, N, K, H, layout="contiguous", segments=None, seed=0, **kwarg
         return jnp.sum(out * cot), out
 
     (ref_loss, ref_out), ref_grads = jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    arrange = (lambda x: ring.to_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
-    unarrange = (lambda x: ring.from_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    arrange = (lambda x: ops.to_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
+    unarrange = (lambda x: ops.from_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
     fn = _ring_loss(mesh, layout, segments is not None, **kwargs)
     args = [arrange(a) for a in (q, k, v, cot)] + [arrange(s) for s in seg_args]
     out, loss = fn(*args)
@@ -94,10 +93,10 @@ def test_a_length_the_ring_does_not_divide_runs_padded_with_its_own_segment():
     n, T = 4, 37
     q, k, v, cot = _inputs(1, T, 2, 2, 8, 5)
     ref = ops.attention(q, k, v, causal=True, backend="xla")
-    padded = [ring.pad_to_ring(a, n)[0] for a in (q, k, v)]
-    ids = ring.pad_to_ring(q, n)[1]
+    padded = [ops.pad_to_ring(a, n)[0] for a in (q, k, v)]
+    ids = ops.pad_to_ring(q, n)[1]
     seq = P(None, "sp")
-    fn = jax.jit(jax.shard_map(lambda q, k, v, s: ring.ring_attention(q, k, v, axis_name="sp", causal=True, segment_ids=(s, s), backend="xla"),
+    fn = jax.jit(jax.shard_map(lambda q, k, v, s: ops.ring_attention(q, k, v, axis_name="sp", causal=True, segment_ids=(s, s), backend="xla"),
                                mesh=_mesh(n), in_specs=(seq,) * 4, out_specs=seq))
     out = fn(*padded, ids)
     assert out.shape[1] == 40
@@ -106,12 +105,12 @@ def test_a_length_the_ring_does_not_divide_runs_padded_with_its_own_segment():
 
 def test_zigzag_round_trip_and_bad_arguments():
     x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
-    np.testing.assert_array_equal(ring.from_zigzag(ring.to_zigzag(x, 4), 4), x)
-    assert list(ring.to_zigzag(jnp.arange(8)[None], 2)[0]) == [0, 1, 6, 7, 2, 3, 4, 5]
+    np.testing.assert_array_equal(ops.from_zigzag(ops.to_zigzag(x, 4), 4), x)
+    assert list(ops.to_zigzag(jnp.arange(8)[None], 2)[0]) == [0, 1, 6, 7, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="multiple of 2"):
-        ring.to_zigzag(jnp.zeros((1, 10)), 4)
+        ops.to_zigzag(jnp.zeros((1, 10)), 4)
     q = jnp.zeros((1, 8, 2, 8))
-    fn = lambda **kw: jax.shard_map(lambda q: ring.ring_attention(q, q, q, axis_name="sp", **kw), mesh=_mesh(2),  # noqa: E731
+    fn = lambda **kw: jax.shard_map(lambda q: ops.ring_attention(q, q, q, axis_name="sp", **kw), mesh=_mesh(2),  # noqa: E731
                                     in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q)
     with pytest.raises(ValueError, match="layout"):
         fn(layout="striped")
@@ -131,6 +130,6 @@ def test_return_lse_is_the_gathered_sequence_lse():
     q, k, v, _ = _inputs(1, 32, 2, 1, 8, 7)
     _, ref_lse = ops.attention(q, k, v, causal=True, return_lse=True, backend="xla")
     seq = P(None, "sp")
-    fn = jax.shard_map(lambda q, k, v: ring.ring_attention(q, k, v, axis_name="sp", causal=True, return_lse=True, backend="xla"),
+    fn = jax.shard_map(lambda q, k, v: ops.ring_attention(q, k, v, axis_name="sp", causal=True, return_lse=True, backend="xla"),
                        mesh=_mesh(4), in_specs=(seq,) * 3, out_specs=(seq, seq))
     np.testing.assert_allclose(fn(q, k, v)[1], ref_lse, rtol=1e-5, atol=1e-5)
