@@ -22,6 +22,7 @@ from forgeax.core import (
 from forgeax.ops.attention import attention
 from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
+from forgeax.ops.newton_schulz import newton_schulz
 from forgeax.ops.norms import layer_norm, rms_norm
 from forgeax.ops.ring_attention import from_zigzag, pad_to_ring, ring_attention, to_zigzag
 
@@ -42,6 +43,7 @@ __all__ = [
     "interpret_mode",
     "layer_norm",
     "linear_cross_entropy",
+    "newton_schulz",
     "pad_to_ring",
     "register_backend",
     "ring_attention",
