@@ -1,0 +1,47 @@
+"""Rotary position embedding reference: plain jax.numpy, f32 math.
+
+x: [B, T, N, H]; positions: [B, T] integers. Per head vector, the pairs (a_i, b_i)
+(kernels/common/rope.py: half-split or interleaved) rotate by angle = f32(p) * inv_freq[i]:
+
+    a' = a cos - b sin,   b' = b cos + a sin
+
+and elements rotary_dim..H-1 pass through. Output in x's dtype. `rope_qk` rotates q and k
+(k may have fewer heads) with the same angles. The gradient is JAX autodiff: the oracle.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Integer
+
+from forgeax.core.registry import Implementation
+from forgeax.kernels.common.rope import RopeSpec, inverse_frequencies, pair_indices
+
+
+def cos_sin(positions: Integer[Array, "B T"], spec: RopeSpec) -> tuple[Array, Array]:
+    """cos, sin of the angles, [B, T, 1, R/2] f32."""
+    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies(spec))
+    return jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+
+
+def _rotate(x: Array, cos: Array, sin: Array, spec: RopeSpec) -> Array:
+    first, second = pair_indices(spec)
+    x32 = x.astype(jnp.float32)
+    a, b = x32[..., first], x32[..., second]
+    out = x32.at[..., first].set(a * cos - b * sin).at[..., second].set(b * cos + a * sin)
+    return out.astype(x.dtype)
+
+
+def rope(x: Float[Array, "B T N H"], positions: Integer[Array, "B T"], *, spec: RopeSpec) -> Float[Array, "B T N H"]:
+    cos, sin = cos_sin(jnp.broadcast_to(positions, x.shape[:2]), spec)
+    return _rotate(x, cos, sin, spec)
+
+
+def rope_qk(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"], positions: Integer[Array, "B T"], *,
+            spec: RopeSpec) -> tuple[Array, Array]:
+    cos, sin = cos_sin(jnp.broadcast_to(positions, q.shape[:2]), spec)
+    return _rotate(q, cos, sin, spec), _rotate(k, cos, sin, spec)
+
+
+ROPE = Implementation(fn=rope)
+ROPE_QK = Implementation(fn=rope_qk)
