@@ -24,6 +24,7 @@ from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
 from forgeax.ops.newton_schulz import newton_schulz
 from forgeax.ops.norms import layer_norm, rms_norm
+from forgeax.ops.rope import Llama3Scaling, rope, rope_qk
 from forgeax.ops.ring_attention import from_zigzag, pad_to_ring, ring_attention, to_zigzag
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "Decision",
     "Explanation",
     "Implementation",
+    "Llama3Scaling",
     "KernelConfig",
     "UnsupportedError",
     "attention",
@@ -48,5 +50,7 @@ __all__ = [
     "register_backend",
     "ring_attention",
     "rms_norm",
+    "rope",
+    "rope_qk",
     "to_zigzag",
 ]
