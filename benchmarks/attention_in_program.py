@@ -1,33 +1,28 @@
 """Attention inside a larger jitted program, per call, interleaved across backends.
 
-    python benchmarks/attention_in_program.py [--layers 8] [--shape B,T,N,K,H] [--mode fwd+bwd] \
+    python -m benchmarks.attention_in_program [--layers 8] [--shape B,T,N,K,H] [--mode fwd+bwd] \
         [--backend pallas_gpu] [--backend default] [--out program.json]
 
-tools/bench.py and tune_attention.py time one jitted attention call per executable, so each
+tools/bench.py and benchmarks/tune_attention.py time one jitted attention call per executable, so each
 backend's time around its kernel (launch, custom-call setup) is in every number. In a model one
 executable runs many attention calls back to back. Here one jitted program runs `--layers` causal
 attention forwards, each layer's output the next layer's query, and the time per attention call
 is the program's time over `--layers` (median of interleaved rounds, tools/bench.py's method).
 With `--mode fwd+bwd` the program also runs the backward through every layer (vjp, the output as
-its own cotangent). Forward-only is the case ops/attention.py's `_inference_order` decides,
-fwd+bwd the one its `_training_order` decides.
+its own cotangent). Forward-only calls and differentiated calls are what the selection rules'
+`forward_only` and `all` rules decide (docs/performance.md has the runs behind them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
 import jax
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from bench import interleaved  # noqa: E402
-from tune_attention import random_inputs  # noqa: E402
-
-from forgeax import ops  # noqa: E402
+from benchmarks.common import attention_inputs, interleaved, kernel_times
+from forgeax import ops
 
 
 def program(attend, layers: int, mode: str):
@@ -55,7 +50,7 @@ def main() -> None:
                         help="also print each program's CUPTI kernel times (median ms per kernel name)")
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
-    q, k, v, _ = random_inputs(args.shape)
+    q, k, v, _ = attention_inputs(args.shape)
     attend = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")}
     for backend in args.backend or ["pallas_gpu", "default"]:
         attend["ops:cudnn" if backend == "cudnn" else backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
@@ -70,8 +65,6 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name:12s} {r['ms_per_attention']:.3f} ms per attention call  {r['vs_cudnn']:.3f}x cuDNN", flush=True)
     if args.kernel_times:
-        from attention_kernel_times import kernel_times
-
         for name, fn in programs.items():
             times = kernel_times(fn, (q, k, v), args.kernel_times)
             results[name]["kernels_ms"] = times

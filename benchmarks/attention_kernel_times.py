@@ -1,6 +1,6 @@
 """Where an attention call's time goes, per backend and for cuDNN: kernels, gaps and dispatch.
 
-    python benchmarks/attention_kernel_times.py --backend pallas_gpu --backend triton [--backend default] \
+    python -m benchmarks.attention_kernel_times --backend pallas_gpu --backend triton [--backend default] \
         [--shape B,T,N,K,H] [--causal 0] [--iterations 20] [--out times.json]
 
 For the jitted forward and forward+backward of each backend it prints
@@ -16,28 +16,13 @@ benchmarks/tune_attention.py (interleaved rounds).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import time
 
 import jax
-from jax.experimental.mosaic.gpu import profiler
-from tune_attention import attention_calls, jitted_steps, random_inputs  # this directory is on sys.path
 
-
-
-def kernel_times(fn, args, iterations: int) -> dict[str, float]:
-    """Median ms per kernel name (kernels launched more than once per call are summed per call)."""
-    _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-    per_name = collections.defaultdict(list)
-    for run in runs:
-        totals = collections.Counter()
-        for name, ms in run:
-            totals[name] += ms
-        for name, ms in totals.items():
-            per_name[name].append(ms)
-    return {name: statistics.median(ms) for name, ms in per_name.items()}
+from benchmarks.common import attention_calls, attention_inputs, jitted_steps, kernel_times
 
 
 def wall_and_dispatch(fn, args, calls: int) -> tuple[float, float]:
@@ -64,7 +49,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
-    q, k, v, do = random_inputs(args.shape)
+    q, k, v, do = attention_inputs(args.shape)
     causal = bool(args.causal)
     window = None if args.window is None else (args.window, 0)
     cap = args.logit_soft_cap

@@ -1,6 +1,6 @@
 """Is a backward bitwise reproducible? Runs each attention implementation's gradient twice.
 
-    python benchmarks/backward_determinism.py [--out FILE]     (on a GPU)
+    python -m benchmarks.backward_determinism [--out FILE]     (on a GPU)
 
 For each candidate (jax.nn's cuDNN path, and forgeax's GPU backends) it reports whether six runs
 of the same jitted gradient give identical bits, and the largest relative difference between
@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.common import attention_inputs, rel_err, write_json
 from forgeax import ops
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out")
+    parser.add_argument("--out", default="-")
     args = parser.parse_args()
     B, T, N, H = 2, 4096, 16, 128
-    keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, do = (jax.random.normal(key, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for key in keys)
+    q, k, v, do = attention_inputs(f"{B},{T},{N},{N},{H}")
     candidates = {
         "cudnn (jax.nn)": functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"),
         "pallas_gpu": functools.partial(ops.attention, causal=True, backend="pallas_gpu"),
@@ -40,13 +39,11 @@ def main() -> None:
         for _ in range(5):
             again = [a.astype(jnp.float32) for a in grad(q, k, v)]
             same &= all(bool(jnp.all(a == b)) for a, b in zip(first, again))
-            worst = max(worst, max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(again, first)))
+            worst = max(worst, max(rel_err(a, b) for a, b in zip(again, first)))
         rows.append({"candidate": name, "bitwise_equal_over_6_runs": same, "max_relative_difference": worst})
         print(rows[-1], flush=True)
     result = {"device": jax.devices()[0].device_kind, "shape": {"B": B, "T": T, "N": N, "H": H, "causal": True}, "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

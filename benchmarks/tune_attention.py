@@ -1,8 +1,8 @@
 """Times variants of an attention backend's module constants against cuDNN, interleaved in one process.
 
-    python benchmarks/tune_attention.py --backend pallas_gpu \
+    python -m benchmarks.tune_attention --backend pallas_gpu \
         --variant default --variant _SMEM_BUDGET=232448 --out tune.json
-    python benchmarks/tune_attention.py --backend triton --variant default --variant source=old.py
+    python -m benchmarks.tune_attention --backend triton --variant default --variant source=old.py
 
 Each variant sets module-level constants of forgeax.kernels.<backend path>.attention before
 tracing (kernels read them at trace time), builds fwd and fwd+bwd at the benchmark shape
@@ -20,17 +20,15 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import os
 import statistics
 import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from bench import alternating, interleaved  # noqa: E402
-
-from forgeax import ops  # noqa: E402
+from benchmarks.common import alternating, attention_calls, interleaved, jitted_steps, kernel_times, rel_err
+from benchmarks.common import attention_inputs as random_inputs
+from forgeax import ops
 
 MODULES = {"pallas_gpu": "forgeax.kernels.pallas.gpu.attention", "triton": "forgeax.kernels.triton.attention"}
 
@@ -51,46 +49,6 @@ def _parse(variant: str, module) -> dict[str, object]:
                 if callable(value) and not isinstance(value, type) and name in vars(module)}
     value = lambda v: () if v == "()" else tuple(int(x) for x in v.split(":") if x) if ":" in v else int(v)
     return {name: value(v) for name, v in (item.split("=") for item in variant.split(","))}
-
-
-def jitted_steps(fn):
-    """(jit(fn), jit(fwd_bwd)) of an attention fn(q, k, v); fwd_bwd(q, k, v, do) returns
-    (out, dq, dk, dv) for the output cotangent do."""
-    def fwd_bwd(q, k, v, do):
-        out, pull = jax.vjp(fn, q, k, v)
-        return (out,) + pull(do)
-
-    return jax.jit(fn), jax.jit(fwd_bwd)
-
-
-def attention_calls(backends, *, causal: bool, window=None, logit_soft_cap=None, segment_ids=None,
-                    equal_head_dims: bool = True) -> dict:
-    """name -> fn(q, k, v): the cuDNN anchor (jax.nn.dot_product_attention; left out with a soft
-    cap, segment ids or v's head dim differing from q's, which it lacks), then each forgeax backend
-    by name ('default': backend=None)."""
-    calls = {}
-    if logit_soft_cap is None and segment_ids is None and equal_head_dims:
-        calls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")
-    for backend in backends:
-        calls[backend] = lambda q, k, v, backend=None if backend == "default" else backend: ops.attention(
-            q, k, v, causal=causal, window=window, logit_soft_cap=logit_soft_cap, segment_ids=segment_ids,
-            backend=backend)
-    return calls
-
-
-def rel_err(a, b) -> float:
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
-def random_inputs(shape: str, value_head_dim: int | None = None) -> tuple[jax.Array, ...]:
-    """q, k, v, dout in bf16, standard normal, for shape 'B,T,N,K,H' (S = T; v's head dim Hv)."""
-    B, T, N, K, H = (int(d) for d in shape.split(","))
-    Hv = value_head_dim or H
-    keys = jax.random.split(jax.random.key(0), 4)
-    return tuple(jax.random.normal(key, dims, jnp.bfloat16)
-                 for key, dims in zip(keys, ((B, T, N, H), (B, T, K, H), (B, T, K, Hv), (B, T, N, Hv))))
 
 
 def main() -> None:
@@ -191,8 +149,6 @@ def main() -> None:
 def _kernel_times(candidates, args, iterations: int) -> dict[str, dict[str, float]]:
     """Per candidate, median CUPTI ms of each kernel of its fwd+bwd over 3 rounds (the order
     reversed in the middle one); kernel times do not include launch gaps or host dispatch."""
-    from attention_kernel_times import kernel_times  # lazily: it imports this module
-
     per_round = {name: [] for name in candidates}
     for name in alternating(list(candidates), 3):
         per_round[name].append(kernel_times(candidates[name][1], args, iterations))

@@ -1,6 +1,6 @@
 """Times the Triton norm kernels' candidate launch configs against XLA (GPU only).
 
-    python benchmarks/tune_triton_norms.py --out tune.json
+    python -m benchmarks.tune_triton_norms --out tune.json
 
 For each norm and shape: XLA, then every `candidate_configs` entry, forward and
 forward+backward, in one process, median of rounds (tools/bench.py's method).
@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-import bench  # noqa: E402
-
-from forgeax.kernels.triton import norms as triton_norms  # noqa: E402
-from forgeax.kernels.xla import norms as xla_norms  # noqa: E402
+from benchmarks import common
+from forgeax.kernels.triton import norms as triton_norms
+from forgeax.kernels.xla import norms as xla_norms
 
 EPS = 1e-6
 
@@ -59,7 +55,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shape or ["32768x4096"])]
-    ceiling = bench.copy_bandwidth(args.calls, args.reps)
+    ceiling = common.copy_bandwidth(args.calls, args.reps)
     print(f"{jax.devices()[0].device_kind}: copy {ceiling / 1e12:.2f} TB/s", flush=True)
     results = []
     for rows, d in shapes:
@@ -74,7 +70,7 @@ def main():
                 base = None
                 for name, cfg in variants(kind, rows, d, jnp.bfloat16):
                     try:
-                        t = statistics.median(bench.time_call(build(kind, name, cfg, mode), (x, s, o, dy), calls=args.calls, reps=args.reps))
+                        t = statistics.median(common.time_call(build(kind, name, cfg, mode), (x, s, o, dy), calls=args.calls, reps=args.reps))
                     except Exception as e:  # noqa: BLE001
                         print(f"{kind:12s} {mode:8s} {name:20s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                         continue

@@ -1,6 +1,6 @@
 """Vocabulary-parallel cross_entropy / linear_cross_entropy on every local GPU, against one device.
 
-    python benchmarks/vocab_parallel.py --out results.json      # on a machine with >= 2 GPUs
+    python -m benchmarks.vocab_parallel --out results.json     # on a machine with >= 2 GPUs
 
 Logits (8192, 128256) bf16 are split over the vocabulary across n devices (shard_map, axis "v");
 the mean loss and its gradient must equal the single-device call (checked here, printed, and
@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +21,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from bench import interleaved  # noqa: E402
-
-from forgeax import ops  # noqa: E402
+from benchmarks.common import interleaved
+from forgeax import ops
 
 
 def _rel(a, b) -> float:
