@@ -140,7 +140,7 @@ def attention(
       return_lse: also return lse `[*B, T, N]` f32 (differentiable), e.g. to merge partial results.
       deterministic: True guarantees bitwise-reproducible gradients on every backend. False also
         allows cudnn, whose backward sums dq with float atomics in any order (equal up to
-        rounding, not bit for bit; measured in benchmarks/results/attention_backward_determinism_H200.json). None (default) follows XLA's `--xla_gpu_deterministic_ops` flag (off unless
+        rounding, not bit for bit; measured in benchmarks/results/attention_H200_2026-11-22_backward_determinism.json). None (default) follows XLA's `--xla_gpu_deterministic_ops` flag (off unless
         set in XLA_FLAGS), like jax.nn.dot_product_attention's cuDNN path. The forward is always
         deterministic; xla, xla_chunked, triton and pallas_tpu always are.
       backend: None (the selection rules of ops/rules/attention.json, then the platform priority;
