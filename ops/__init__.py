@@ -21,6 +21,7 @@ from forgeax.core import (
 )
 from forgeax.ops.attention import attention
 from forgeax.ops.cross_entropy import cross_entropy
+from forgeax.ops.gated_mlp import gated_mlp
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
 from forgeax.ops.newton_schulz import newton_schulz
 from forgeax.ops.norms import layer_norm, rms_norm
@@ -41,6 +42,7 @@ __all__ = [
     "define_op",
     "explain",
     "from_zigzag",
+    "gated_mlp",
     "interpret_enabled",
     "interpret_mode",
     "layer_norm",

@@ -1,0 +1,149 @@
+"""Gated MLP: the shared shell of every kernel backend (shapes, weight forms, custom_vjp).
+
+    gate = x @ w_gate,  up = x @ w_up,  h = act(gate) * up,  y = h (@ w_down)
+
+x `[..., K]` is folded to `[M, K]`. The gate/up weights come either as two `[K, N]` arrays or
+as one fused `[K, 2, N]` array (`w_up=None`; `w[:, 0]` is the gate, `w[:, 1]` the up
+projection), which is the same memory as a `[K, 2N]` matrix whose first N columns are the
+gate. A backend supplies two kernels:
+
+  forward(x [M, K], w_gate, w_up, *, activation, config) -> h [M, N]
+      the dual GEMM with the activation and product in its epilogue (no [M, 2N] write);
+  backward(x, w_gate, w_up, dh [M, N], *, activation, config, want_h) -> (dpre [M, 2N], h | None)
+      recomputes gate/up from x (the same dual GEMM) and forms, in its epilogue,
+      dpre[:, :N] = dh * up * act'(gate), dpre[:, N:] = dh * act(gate), and h when asked.
+
+Around them, XLA's dots (f32 accumulation) do the plain products of the backward:
+dh = dy @ w_down^T, dw_down = h^T @ dy, and with W = [w_gate | w_up] as `[K, 2N]`,
+dx = dpre @ W^T and dW = x^T @ dpre: one GEMM each over the concatenated gate/up axis.
+Nothing of width 2N is kept between forward and backward: the residuals are the inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_TANH_C = 0.044715
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedMLPSpec:
+    """The options of one call, normalised once by ops.gated_mlp."""
+
+    activation: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {self.activation!r}")
+
+    @property
+    def activation_id(self) -> int:
+        """The activation as the small int kernels switch on (index into ACTIVATIONS)."""
+        return ACTIVATIONS.index(self.activation)
+
+
+def activate(g: jax.Array, activation: str) -> jax.Array:
+    """act(g) in g's dtype (callers pass f32): the reference's definitions."""
+    if activation == "silu":
+        return g * jax.nn.sigmoid(g)
+    if activation == "gelu":
+        return jax.nn.gelu(g, approximate=False)
+    if activation == "gelu_tanh":
+        return 0.5 * g * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (g + _GELU_TANH_C * g * g * g)))
+    if activation == "relu":
+        return jnp.maximum(g, 0.0)
+    raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+
+
+def activate_and_derivative(g: jax.Array, activation: str) -> tuple[jax.Array, jax.Array]:
+    """(act(g), act'(g)) in closed form, for kernels that write their epilogue in jnp."""
+    if activation == "silu":
+        s = jax.nn.sigmoid(g)
+        return g * s, s * (1.0 + g * (1.0 - s))
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + jax.lax.erf(g * (1.0 / math.sqrt(2.0))))
+        pdf = jnp.exp(-0.5 * g * g) * (1.0 / math.sqrt(2.0 * math.pi))
+        return g * cdf, cdf + g * pdf
+    if activation == "gelu_tanh":
+        inner = _SQRT_2_OVER_PI * (g + _GELU_TANH_C * g * g * g)
+        t = jnp.tanh(inner)
+        d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * g * g)
+        return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * d_inner
+    if activation == "relu":
+        return jnp.maximum(g, 0.0), (g > 0).astype(g.dtype)
+    raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+
+
+def hidden_size(w_gate: jax.Array, w_up: jax.Array | None) -> int:
+    """N: the gate/up output width of either weight form."""
+    return int(w_gate.shape[-1])
+
+
+def split_weights(w_gate: jax.Array, w_up: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(w_gate [K, N], w_up [K, N]) from either form (slices of the fused one)."""
+    if w_up is None:
+        return w_gate[:, 0, :], w_gate[:, 1, :]
+    return w_gate, w_up
+
+
+def _precision(dtype) -> jax.lax.Precision:
+    # f32 inputs get true f32 products (no TF32 on GPUs); narrower inputs the MXU/tensor-core default.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None) -> jax.Array:
+    """a @ b (either side transposed) with f32 accumulation, rounded to `out_dtype` (a's dtype)."""
+    dims = (((0,) if transpose_a else (1,)), ((1,) if transpose_b else (0,)))
+    out = jax.lax.dot_general(a, b, (dims, ((), ())), precision=_precision(a.dtype), preferred_element_type=jnp.float32)
+    return out.astype(out_dtype or a.dtype)
+
+
+Forward = Callable[..., jax.Array]
+Backward = Callable[..., tuple[jax.Array, jax.Array | None]]
+
+
+def differentiable_gated_mlp(forward: Forward, backward: Backward) -> Callable[..., jax.Array]:
+    """`fn(x, w_gate, w_up, w_down, *, spec, config)`: the op with a custom_vjp around a backend's
+    two kernels (module docstring). `w_up` None = fused `[K, 2, N]` w_gate; `w_down` may be None."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+    def run(x, w_gate, w_up, w_down, spec, config):
+        return _forward(x, w_gate, w_up, w_down, spec, config)[0]
+
+    def _forward(x, w_gate, w_up, w_down, spec, config):
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        h = forward(x2, w_gate, w_up, activation=spec.activation, config=config)
+        y = h if w_down is None else matmul(h, w_down)
+        return y.reshape(*lead, y.shape[-1]), (x, w_gate, w_up, w_down)
+
+    def fwd(x, w_gate, w_up, w_down, spec, config):
+        return _forward(x, w_gate, w_up, w_down, spec, config)
+
+    def bwd(spec, config, residuals, dy):
+        x, w_gate, w_up, w_down = residuals
+        k = x.shape[-1]
+        n = hidden_size(w_gate, w_up)
+        x2 = x.reshape(-1, k)
+        dy2 = dy.reshape(x2.shape[0], -1).astype(x.dtype)
+        dh = dy2 if w_down is None else matmul(dy2, w_down, transpose_b=True)
+        dpre, h = backward(x2, w_gate, w_up, dh, activation=spec.activation, config=config, want_h=w_down is not None)
+        dw_down = None if w_down is None else matmul(h, dy2, transpose_a=True, out_dtype=w_down.dtype)
+        # W = [w_gate | w_up] as [K, 2N]: free for the fused form, one weight-sized copy otherwise.
+        w_cat = w_gate.reshape(k, 2 * n) if w_up is None else jnp.concatenate([w_gate, w_up], axis=1)
+        dx = matmul(dpre, w_cat, transpose_b=True).reshape(x.shape)
+        dw = matmul(x2, dpre, transpose_a=True, out_dtype=w_gate.dtype)
+        if w_up is None:
+            return dx, dw.reshape(w_gate.shape), None, dw_down
+        return dx, dw[:, :n], dw[:, n:].astype(w_up.dtype), dw_down
+
+    run.defvjp(fwd, bwd)
+    return run

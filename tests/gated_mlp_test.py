@@ -1,0 +1,120 @@
+"""gated_mlp: every runnable backend against the XLA reference, forward and gradients.
+
+On CPU this runs under FORGEAX_INTERPRET=1 (the Pallas TPU interpreter; the Triton interpreter
+in its own target, gated_mlp_triton_interpret_test.py, with TRITON_INTERPRET=1); on a GPU it
+runs the real kernels: `pytest tests/gated_mlp_test.py` against the installed wheel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import conformance
+from forgeax import core as interface
+from forgeax import ops
+from forgeax.kernels.common.gated_mlp import ACTIVATIONS, GatedMLPSpec
+from forgeax.kernels.xla import gated_mlp as reference
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+# (leading axes of x, K, N, K_out or None): M = 1, 17, 300; K and N off every block size.
+SHAPES = [((1,), 96, 200, None), ((17,), 64, 48, 40), ((2, 150), 96, 200, 72), ((3, 5), 40, 24, None)]
+BACKENDS = conformance.runnable_backends("gated_mlp")
+
+
+def _reference(x, w_gate, w_up, w_down, *, activation):
+    return reference.gated_mlp(x, w_gate, w_up, w_down, spec=GatedMLPSpec(activation=activation))
+
+
+def _case(lead, k, n, k_out, dtype, *, activation="silu", fused=False, seed=0):
+    kx, kg, ku, kd = jax.random.split(jax.random.key(seed), 4)
+    x = conformance.random_array(kx, (*lead, k), dtype)
+    # Weights scaled by 1/sqrt(fan-in): gate/up pre-activations ~ N(0, 1), where every
+    # activation is non-linear (both relu sides, silu's curve, gelu's bend).
+    w_gate = conformance.random_array(kg, (k, n), dtype, scale=k ** -0.5)
+    w_up = conformance.random_array(ku, (k, n), dtype, scale=k ** -0.5)
+    w_down = None if k_out is None else conformance.random_array(kd, (n, k_out), dtype, scale=n ** -0.5)
+    if fused:
+        args = (jnp.stack([w_gate, w_up], axis=1),)
+        args = (x, args[0], None, w_down)
+        diff = (0, 1) if w_down is None else (0, 1, 3)
+    else:
+        args = (x, w_gate, w_up, w_down)
+        diff = (0, 1, 2) if w_down is None else (0, 1, 2, 3)
+    name = f"gated_mlp(x{(*lead, k)}, N={n}, down={k_out}, {'fused' if fused else 'separate'})"
+    return conformance.Case(name, ops.gated_mlp, _reference, args, {"activation": activation}, diff)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gated_mlp_matches_reference(backend, shape, dtype):
+    conformance.assert_conforms(_case(*shape, DTYPES[dtype], seed=hash((shape, dtype)) % 1000), backend)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_activation_matches_reference_f32(backend, activation):
+    # f32 (tolerance 1e-5): a wrong activation derivative cannot hide in bf16 rounding.
+    conformance.assert_conforms(_case((33,), 48, 40, 24, jnp.float32, activation=activation, seed=7), backend)
+
+
+@pytest.mark.parametrize("down", [None, 56], ids=["no_down", "down"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_weight_matches_reference(backend, dtype, down):
+    conformance.assert_conforms(_case((19,), 72, 40, down, DTYPES[dtype], fused=True, seed=11), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_f16_gelu_tanh_matches_reference(backend):
+    conformance.assert_conforms(_case((9,), 32, 24, 16, jnp.float16, activation="gelu_tanh", seed=5), backend)
+
+
+def test_fused_weight_equals_separate_weights():
+    case = _case((6,), 32, 16, None, jnp.float32, seed=2)
+    x, w_gate, w_up, _ = case.args
+    separate = ops.gated_mlp(x, w_gate, w_up, backend="xla")
+    fused = ops.gated_mlp(x, jnp.stack([w_gate, w_up], axis=1), None, backend="xla")
+    np.testing.assert_array_equal(np.asarray(separate), np.asarray(fused))
+
+
+# ---------------------------------------------------------------- bad input: each error names the argument
+
+
+def test_bad_inputs_raise_errors_that_name_the_argument():
+    x = jnp.ones((4, 8), jnp.float32)
+    wg = jnp.ones((8, 6), jnp.float32)
+    wd = jnp.ones((6, 5), jnp.float32)
+    cases = [
+        (lambda: ops.gated_mlp(x, jnp.ones((7, 6)), wg), ValueError, "w_gate"),
+        (lambda: ops.gated_mlp(x, wg, jnp.ones((8, 5))), ValueError, "w_up"),
+        (lambda: ops.gated_mlp(x, wg, wg, jnp.ones((5, 5))), ValueError, "w_down"),
+        (lambda: ops.gated_mlp(x, wg, wg, jnp.ones((6,))), ValueError, "w_down"),
+        (lambda: ops.gated_mlp(x, wg, None), ValueError, "w_gate"),
+        (lambda: ops.gated_mlp(x, jnp.ones((8, 3, 6)), None), ValueError, "w_gate"),
+        (lambda: ops.gated_mlp(x, wg, wg.astype(jnp.bfloat16)), TypeError, "w_up"),
+        (lambda: ops.gated_mlp(x, wg, wg, wd.astype(jnp.float16)), TypeError, "w_down"),
+        (lambda: ops.gated_mlp(x.astype(jnp.int32), wg, wg), TypeError, "x"),
+        (lambda: ops.gated_mlp(jnp.ones((4, 0)), wg, wg), ValueError, "x"),
+        (lambda: ops.gated_mlp(x, wg, wg, activation="swish"), ValueError, "activation"),
+        (lambda: ops.gated_mlp(x, wg, wg, activation=None), ValueError, "activation"),
+        (lambda: ops.gated_mlp(x, wg, wg, backend="cuda"), ValueError, "backend"),
+        (lambda: ops.gated_mlp(x, wg, wg, wd), None, None),
+    ]
+    for call, error, name in cases:
+        if error is None:
+            assert call().shape == (4, 5)
+            continue
+        with pytest.raises(error, match=rf"^{name}:"):
+            call()
+
+
+def test_explicit_backend_that_cannot_run_raises_unsupported_with_reason():
+    if interface.interpret_enabled() or interface.current_platform() == "tpu":
+        pytest.skip("pallas_tpu can run here")
+    x = jnp.ones((4, 8))
+    with pytest.raises(ops.UnsupportedError, match="pallas_tpu: runs on tpu"):
+        ops.gated_mlp(x, jnp.ones((8, 6)), jnp.ones((8, 6)), backend="pallas_tpu")
