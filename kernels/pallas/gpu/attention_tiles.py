@@ -1,13 +1,16 @@
-"""Which column blocks a pallas_gpu attention tile visits and which positions it masks, and how
-calls whose lengths or head dims are not the kernels' run over whole tiles: the block ranges,
-masks and padding that the forward, dQ and dK/dV kernels of kernels/pallas/gpu/attention.py
-share (a tile is 128 rows of one (batch, head): queries, or keys in the dK/dV kernel; its
-columns are the looped axis)."""
+"""What the pallas_gpu attention kernels (attention_forward.py, attention_backward.py) share.
+
+Which column blocks a tile visits and which positions it masks (`Band`, `Tile`, `three_loops`,
+segment ids), how calls whose lengths or head dims are not the kernels' run over whole tiles
+(`Tails`), and the kernels' common pieces: the log2-domain logits, ring stages under the SMEM
+budget, swizzles, barriers, the key-block producer and the tile schedule. A tile is 128 rows of
+one (batch, head): queries, or keys in the dK/dV kernel; its columns are the looped axis."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,14 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.attention import AttentionSpec, segment_ranges
-from forgeax.kernels.pallas.gpu.warpgroups import CTA, bcast, i32, unravel
+from forgeax.kernels.pallas.gpu.warpgroups import CTA, ROWS, WGS, Schedule, bcast, i32, transforms, unravel
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# The kernels' head dims (others are zero-padded to the next, `Tails`).
+HEAD_DIMS = (64, 96, 128, 192, 256)
+SMEM_BUDGET = 200 * 1024  # a kernel's buffers; the rest of Hopper's SMEM is barriers and Pallas scratch
+SMEM_LIMIT = 227 * 1024  # Hopper's largest allocation per CTA (Mosaic GPU refuses more when lowering)
 
 
 def within_reach(lo, full_lo, full_hi, hi, col_lo, col_hi, uniform, blk: int):
@@ -286,3 +296,114 @@ class Tails:
             return None, None
         edge = lambda ids, n: self._pad(ids.astype(jnp.int32), {1: n}, mode="edge")
         return edge(q_segment_ids, self.T_padded - self.T), edge(kv_segment_ids, self.S_padded - self.S)
+
+
+# ----------------------------------------------------------------------------- kernel pieces
+
+
+def tile_schedule(steps_of, dims: tuple[int, int, int], segmented: bool, interpret: bool, persistent: bool) -> Schedule:
+    """A kernel's `Schedule` over tiles dims = (heads, row tiles, batch): persistent or one CTA
+    per tile, balanced by steps_of (a tile's ring uses). With segment ids a tile's uses depend on
+    the data, which the table built here cannot know (the kernel counts them itself): the tiles
+    are dealt in tile order at equal weights."""
+    if segmented:
+        steps_of = lambda t: t * 0 + 1
+    return Schedule.of(steps_of, dims, persistent, interpret)
+
+
+
+def scores(x, spec: AttentionSpec):
+    """Raw q.k products -> (s, c) with log2-domain logits s * c (scale * log2 e, soft cap).
+
+    Without a soft cap s stays raw and c = scale * log2 e, so that `exp2_scaled(s, c, m)` is one FMA
+    and an exp2 per element (the softmax's ALU work sits between the matmuls); with
+    one, s are the capped logits and c = 1."""
+    if spec.logit_soft_cap is None:
+        return x, spec.scale * LOG2E
+    cap = spec.logit_soft_cap
+    return jnp.tanh(x * (spec.scale / cap)) * (cap * LOG2E), 1.0
+
+
+def exp2_scaled(s, c: float, m):
+    """exp2(s * c - m)."""
+    return jnp.exp2((s * c if c != 1.0 else s) - m)
+
+
+def cap_grad(s2, spec: AttentionSpec):
+    """d capped / d uncapped = 1 - tanh^2, from the log2-domain capped logits s2."""
+    t = s2 * (1.0 / (spec.logit_soft_cap * LOG2E))
+    return 1.0 - t * t
+
+
+def ring_stages(per_stage: int, fixed: int, cap: int = 3) -> int:
+    return max(2, min(cap, (SMEM_BUDGET - fixed) // per_stage))
+
+
+def block_transforms(dt, *widths: int):
+    """SMEM transforms of buffers whose rows or columns are wgmma K blocks of these widths (head
+    dims, key or query blocks): the widest swizzle (128, 64 or 32 bytes) that divides every width's
+    bytes (`transforms`), so 32-wide blocks and head_dim 96 get 64 bytes."""
+    nbytes = [w * jnp.dtype(dt).itemsize for w in widths]
+    return transforms(dt, next(s for s in (128, 64, 32) if all(n % s == 0 for n in nbytes)))
+
+
+def staging_and_segment_buffers(dt, blk: int, stages: int, interpret: bool, segmented: bool) -> list:
+    """The last scratch entries of every kernel here (None where the call needs none): the
+    per-warpgroup (rows, blk) buffer through which interpret mode stages register-LHS wgmma
+    operands (`Mma`), the row segment ids of each warpgroup's rows, and the column segment ids
+    of each ring slot's blk columns."""
+    return [
+        plgpu.SMEM((WGS, ROWS, blk), dt, transforms=block_transforms(dt, blk)) if interpret else None,
+        plgpu.SMEM((WGS, ROWS), jnp.int32) if segmented else None,
+        plgpu.SMEM((stages, blk), jnp.int32) if segmented else None,
+    ]
+
+
+def backward_barriers(tile_copies: int, slot_copies: int, stages: int, segmented: bool) -> list:
+    """The dQ and dK/dV kernels' barriers: per consumer warpgroup, its tile's `tile_copies` TMA
+    copies landed; per ring slot, the slot's `slot_copies` copies landed, and both consumers
+    released it. With segment ids the first two count one more copy each (the ids)."""
+    ids = 1 if segmented else 0
+    return [
+        plgpu.Barrier(num_arrivals=tile_copies + ids, num_barriers=WGS),
+        plgpu.Barrier(num_arrivals=slot_copies + ids, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=WGS, num_barriers=stages),
+    ]
+
+
+def kernel_head_dims(H: int, Hv: int) -> tuple[int, int] | None:
+    """The kernels' (q/k, v) head dims for a call's H and Hv (None past 256): each the smallest of
+    `HEAD_DIMS` that holds it. v's may be narrower than q/k's (MLA's 192 / 128 computes P V, dO V^T
+    and dv at 128), except beside 256, whose forward has no SMEM for a narrower output buffer; a v
+    wider than q/k pads q/k too."""
+    fit = lambda n: next((d for d in HEAD_DIMS if d >= n), None)
+    dims = fit(H), fit(Hv)
+    if None in dims:
+        return None
+    if dims[1] > dims[0] or dims[0] == HEAD_DIMS[-1]:
+        return (max(dims),) * 2
+    return dims
+
+
+def key_block_producer(tile, G: int, stages: int, copy_block):
+    """The producer's tile body in the kernels whose ring uses are a query tile's key blocks (the
+    forward, `_dq_from_dz`): for block i of tile t (ring use g = base + i, in slot g mod stages)
+    copy_block(tile t, its kv head, i, g, slot) waits for the slot and starts its copies."""
+
+    def one_tile(kk, t, base):
+        tl = tile(t)
+        kh = lax.div(tl.n, i32(G))
+
+        def load(i, c):
+            g = base + i
+            copy_block(tl, kh, i, g, lax.rem(g, i32(stages)))
+            return c
+
+        lax.fori_loop(0, tl.steps, load, None)
+        return base + tl.steps
+
+    return one_tile
+
+
+def tails_of(q, k, v) -> Tails:
+    return Tails.of(q, k, v, kernel_head_dims(q.shape[3], v.shape[3]))
