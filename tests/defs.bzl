@@ -42,7 +42,7 @@ def pytest_tests(srcs, deps, overrides = {}):
       srcs: test files (*_test.py).
       deps: deps of every target.
       overrides: target name -> dict of pytest_test arguments that replace the
-        defaults (size, env, shard_count, data, tags, ...).
+        defaults (size, env, shard_count, data, tags, ...); its deps are added to `deps`.
     """
     for src in srcs:
         name = src[:-len(".py")]
@@ -51,6 +51,6 @@ def pytest_tests(srcs, deps, overrides = {}):
         pytest_test(
             name = name,
             srcs = [src],
-            deps = deps,
+            deps = deps + kwargs.pop("deps", []),
             **kwargs
         )

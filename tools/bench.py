@@ -5,10 +5,12 @@
 
 Method (DESIGN.md, Performance): compile first (excluded), warm up, then
 `--reps` rounds of `--calls` back-to-back calls each closed by
-`block_until_ready`; the per-call median of the rounds is the result. The copy
-ceiling (a large read+write) is measured in the same run, and each result is
-reported as bytes/s or FLOP/s, fraction of the floor, and ratio to XLA. JSON
-goes to benchmarks/results/.
+`block_until_ready`; the per-call median of the rounds is the result. On an
+accelerator the copy ceiling (a large read+write) is measured in the same run, and
+each result is reported as bytes/s or FLOP/s, fraction of the floor, and ratio to
+XLA. On the CPU there is no floor: caches make the measured copy rate no ceiling
+for calls that fit in them, so the fraction is left out (see `checked_fractions`).
+JSON goes to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -33,6 +35,34 @@ import bench_specs  # noqa: E402  (a sibling module, also when run as a plain sc
 
 from forgeax import core as interface  # noqa: E402
 
+# The device nodes by which JAX decides that an NVIDIA GPU is visible (jax/_src/hardware_utils.py,
+# has_visible_nvidia_gpu): without one of them JAX never starts its CUDA backend.
+NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+
+
+def nvidia_gpu_visible() -> bool:
+    return any(os.path.exists(node) for node in NVIDIA_DEVICE_NODES)
+
+
+def quiet_cuda_plugin(environ: dict[str, str] = os.environ) -> bool:
+    """Skips the CUDA plugin's library check on a machine where JAX will not use CUDA anyway.
+
+    jax-cuda13-plugin checks its CUDA and cuDNN libraries when JAX first looks for backends, on
+    every machine; where they are absent it raises, and JAX logs the exception as a 20-line
+    `Jax plugin configuration error ... Unable to load cuDNN` traceback before falling back to
+    the CPU. With no NVIDIA GPU visible JAX skips the CUDA backend whatever the check finds, so
+    the check is turned off (JAX_SKIP_CUDA_CONSTRAINTS_CHECK): nothing else changes, the plugin
+    still registers (cross-lowering for cuda keeps working) and the platform JAX picks is the
+    same. Where a GPU is visible, JAX_SKIP_CUDA_CONSTRAINTS_CHECK is already set or cuda is asked
+    for by JAX_PLATFORMS, nothing is touched. Call before JAX's first backend lookup (importing
+    jax or forgeax does no lookup). Returns whether it turned the check off.
+    """
+    asked = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",")]
+    if nvidia_gpu_visible() or "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" in environ or "cuda" in asked or "gpu" in asked:
+        return False
+    environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    return True
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
@@ -48,7 +78,9 @@ class Timing:
     flops: float
     tb_per_s: float
     tflop_per_s: float
-    fraction_of_floor: float
+    # Bytes floor (each input read once, each output written once, over the copy ceiling) / time;
+    # None where there is no ceiling (the CPU) or the measured one proved not to be one.
+    fraction_of_floor: float | None
     speedup_vs_xla: float | None = None
     note: str = ""
     # Temporary bytes of the compiled call (XLA's memory analysis), None where unavailable.
@@ -105,12 +137,36 @@ def temp_bytes(fn, args) -> float | None:
         return None
 
 
-def copy_bandwidth(calls: int, reps: int) -> float:
-    """Bytes/s of a large device copy (read + write), the memory ceiling."""
-    n = (1 << 28) if interface.current_platform() != "cpu" else (1 << 24)
+def copy_bandwidth(calls: int, reps: int) -> float | None:
+    """Bytes/s of a large device copy (read + write), the memory ceiling; None on the CPU.
+
+    On the CPU a copy rate is no ceiling: a call whose data fits in the caches outruns a large
+    copy to and from DRAM (rms_norm's small forward ran at 459% of it), and a copy small enough
+    to stay in cache would be no ceiling for the calls that do not fit."""
+    if interface.current_platform() == "cpu":
+        return None
+    n = 1 << 28
     x = jnp.arange(n, dtype=jnp.float32)
     rounds = time_call(jax.jit(lambda a: a * 1.0001), (x,), calls=calls, reps=reps)
     return 2 * 4 * n / statistics.median(rounds)
+
+
+def checked_fractions(results: list[Timing], ceiling: float | None) -> tuple[list[Timing], str | None]:
+    """`results` with their fractions of the floor kept only where the ceiling held, and a note.
+
+    No call can beat the floor: a fraction above 1 means the measured ceiling was not one (a cache,
+    a copy that ran slow), and then no fraction computed from it means anything. All of them are
+    dropped and the note says which call outran the ceiling and by how much."""
+    if ceiling is None:
+        return [dataclasses.replace(t, fraction_of_floor=None) for t in results], None
+    over = [t for t in results if t.fraction_of_floor is not None and t.fraction_of_floor > 1]
+    if not over:
+        return results, None
+    worst = max(over, key=lambda t: t.fraction_of_floor)
+    note = (f"{worst.op} {worst.shape} {worst.mode} {worst.backend} moved {worst.tb_per_s * 1e3:.0f} GB/s, "
+            f"{worst.fraction_of_floor:.1f}x the copy ceiling measured in this run ({ceiling / 1e9:.0f} GB/s): "
+            "that ceiling is not one, so no fraction of the floor is reported")
+    return [dataclasses.replace(t, fraction_of_floor=None) for t in results], note
 
 
 def parse_backend(name: str) -> tuple[str, dict[str, Any]]:
@@ -127,7 +183,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     platform = interface.current_platform()
     device = jax.devices()[0]
     ceiling = copy_bandwidth(args.calls, args.reps)
-    print(f"device: {device.device_kind} ({platform}); copy ceiling {ceiling / 1e9:.0f} GB/s", flush=True)
+    gpu = "; no NVIDIA GPU visible" if platform == "cpu" and not nvidia_gpu_visible() else ""
+    print(f"device: {device.device_kind} (platform {platform}{gpu}); "
+          + (f"copy ceiling {ceiling / 1e9:.0f} GB/s" if ceiling else "no copy ceiling on the CPU, so no fraction of the floor"),
+          flush=True)
     results: list[Timing] = []
     for op_name in args.op:
         spec = bench_specs.SPECS[op_name]
@@ -140,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             options = {**spec.options, **dict(shape.options)}
             for mode in args.mode:
                 nbytes, flops = spec.floor(shape, mode)
-                floor_s = nbytes / ceiling
+                floor_s = nbytes / ceiling if ceiling else None
                 anchors = {a: build for a, build in spec.anchors.items() if not args.anchor or a in args.anchor}
                 candidates = [(b, None) for b in backends] + [(f"anchor:{a}", build) for a, build in anchors.items()]
                 fns = {}
@@ -169,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     med = statistics.median(rounds[name])
                     row.append(Timing(op_name, shape.name, shape.dims, shape.dtype, mode, name, med * 1e3,
                                       (min(rounds[name]) * 1e3, max(rounds[name]) * 1e3), nbytes, flops, nbytes / med / 1e12,
-                                      flops / med / 1e12, floor_s / med, temp_bytes=temp,
+                                      flops / med / 1e12, floor_s / med if floor_s else None, temp_bytes=temp,
                                       rounds_ms=tuple(t * 1e3 for t in rounds[name])))
                     print(f"  {op_name} {shape.name} {mode} {name}: {med * 1e3:.4f} ms"
                           + (f" {flops / med / 1e12:.0f} TFLOP/s" if flops else f" {nbytes / med / 1e9:.0f} GB/s"), flush=True)
@@ -181,6 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     speedup_vs_anchor_rounds=tuple(a / b for a, b in zip(anchor.rounds_ms, t.rounds_ms)) if anchor else ())
                     for t in row]
                 del fns  # free the executables' buffers before the next shape
+    results, floor_note = checked_fractions(results, ceiling)
     return {
         "device": device.device_kind,
         "platform": platform,
@@ -188,7 +248,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None, **_optional_versions()},
         "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median per-call time over rounds; rounds interleaved across backends and anchors, order reversed every other round"},
-        "copy_ceiling_tb_per_s": ceiling / 1e12,
+        "copy_ceiling_tb_per_s": ceiling / 1e12 if ceiling else None,
+        "floor_note": floor_note,
         "results": [dataclasses.asdict(t) for t in results],
     }
 
@@ -203,24 +264,48 @@ def _optional_versions() -> dict[str, str]:
     return versions
 
 
+def table(report: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Title, column names and rows of the printed table of a `run` report.
+
+    The "of floor" column is there only where the report has a copy ceiling and every fraction
+    is at most 100% (`checked_fractions` drops them otherwise; a report written before it existed
+    may still hold them): a table never shows a call beating its floor."""
+    results = report["results"]
+    fractions = [r.get("fraction_of_floor") for r in results]
+    ceiling = report.get("copy_ceiling_tb_per_s")
+    floor = bool(ceiling) and any(f is not None for f in fractions) and all(f is None or f <= 1 for f in fractions)
+    title = report["device"] + (f": copy ceiling {ceiling * 1e3:.0f} GB/s" if floor else "")
+    columns = ["op", "shape", "dtype", "mode", "backend", "ms", "GB/s", "TFLOP/s"] + (["of floor"] if floor else []) + [
+        "vs xla", "vs anchor", "temp GB"]
+    rows = []
+    for r, fraction in zip(results, fractions):
+        rows.append([r["op"], f"{r['shape']} {list(r['dims'])}", r["dtype"], r["mode"], r["backend"], f"{r['median_ms']:.4f}",
+                     f"{r['tb_per_s'] * 1e3:.0f}", f"{r['tflop_per_s']:.1f}" if r["flops"] else "-"]
+                    + ([f"{fraction:.0%}" if fraction is not None else "-"] if floor else [])
+                    + [f"{r['speedup_vs_xla']:.2f}x" if r["speedup_vs_xla"] else "-",
+                       f"{r['speedup_vs_anchor']:.2f}x" if r.get("speedup_vs_anchor") else "-",
+                       f"{r['temp_bytes'] / 1e9:.3f}" if r.get("temp_bytes") is not None else "-"])
+    return title, columns, rows
+
+
 def print_table(report: dict[str, Any]) -> None:
+    title, columns, rows = table(report)
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # plain text where rich is absent
-        for r in report["results"]:
-            print(r)
-        return
-    table = Table(title=f"{report['device']}: copy ceiling {report['copy_ceiling_tb_per_s'] * 1e3:.0f} GB/s")
-    for col in ("op", "shape", "dtype", "mode", "backend", "ms", "GB/s", "TFLOP/s", "of floor", "vs xla", "vs anchor", "temp GB"):
-        table.add_column(col, justify="right" if col not in ("op", "shape", "backend", "mode", "dtype") else "left")
-    for r in report["results"]:
-        table.add_row(r["op"], f"{r['shape']} {list(r['dims'])}", r["dtype"], r["mode"], r["backend"], f"{r['median_ms']:.4f}",
-                      f"{r['tb_per_s'] * 1e3:.0f}", f"{r['tflop_per_s']:.1f}" if r["flops"] else "-", f"{r['fraction_of_floor']:.0%}",
-                      f"{r['speedup_vs_xla']:.2f}x" if r["speedup_vs_xla"] else "-",
-                      f"{r['speedup_vs_anchor']:.2f}x" if r.get("speedup_vs_anchor") else "-",
-                      f"{r['temp_bytes'] / 1e9:.3f}" if r.get("temp_bytes") is not None else "-")
-    Console(width=200).print(table)
+        print(title)
+        for row in [columns] + rows:
+            print(" | ".join(row))
+    else:
+        printed = Table(title=title)
+        for col in columns:
+            printed.add_column(col, justify="right" if col not in ("op", "shape", "backend", "mode", "dtype") else "left")
+        for row in rows:
+            printed.add_row(*row)
+        Console(width=200).print(printed)
+    if report.get("floor_note"):
+        print(f"note: {report['floor_note']}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<ops>_<device>.json; '-' for none)")
     args = parser.parse_args(argv)
+    quiet_cuda_plugin()
     args.op = args.op or sorted(bench_specs.SPECS)
     args.mode = args.mode or ["fwd", "fwd+bwd"]
     report = run(args)
