@@ -19,6 +19,7 @@ from forgeax.core import (
     interpret_mode,
     register_backend,
 )
+from forgeax.ops.add_rms_norm import add_rms_norm
 from forgeax.ops.attention import attention
 from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.gated_mlp import gated_mlp
@@ -36,6 +37,7 @@ __all__ = [
     "Llama3Scaling",
     "KernelConfig",
     "UnsupportedError",
+    "add_rms_norm",
     "attention",
     "cross_entropy",
     "current_platform",
