@@ -179,6 +179,60 @@ def _linear_cross_entropy_spec() -> Spec:
 SPECS["linear_cross_entropy"] = _linear_cross_entropy_spec()
 
 
+def _gated_mlp_spec() -> Spec:
+    # dims: (M tokens, K model width, N hidden width, K_out: 0 = no down projection).
+    shapes = (
+        Shape("llama3-8b 16k tokens no down", (16384, 4096, 14336, 0), "bfloat16"),
+        Shape("llama3-8b 16k tokens with down", (16384, 4096, 14336, 4096), "bfloat16"),
+        Shape("small f32", (512, 256, 1024, 256), "float32", small=True),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        m, k, n, k_out = shape.dims
+        kx, kg, ku, kd, kc = jax.random.split(key, 5)
+        normal = lambda key, s, scale: (scale * jax.random.normal(key, s, jnp.float32)).astype(shape.dtype)  # noqa: E731
+        w_down = normal(kd, (n, k_out), n ** -0.5) if k_out else None
+        ct = normal(kc, (m, k_out or n), 1.0)
+        return normal(kx, (m, k), 1.0), normal(kg, (k, n), k ** -0.5), normal(ku, (k, n), k ** -0.5), w_down, ct
+
+    def training_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+        if mode == "fwd":
+            return jax.jit(lambda x, wg, wu, wd, ct: fn(x, wg, wu, wd))
+
+        def fwd_bwd(x, wg, wu, wd, ct):
+            out, pullback = jax.vjp(fn, x, wg, wu, wd)
+            return (out,) + pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        return training_step(functools.partial(ops.gated_mlp, backend=backend, **options), mode)
+
+    def plain_jax(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        # What users write: bf16 products (f32 accumulation inside the GEMM), silu, the product.
+        def mlp(x, wg, wu, wd):
+            h = jax.nn.silu(x @ wg) * (x @ wu)
+            return h if wd is None else h @ wd
+
+        return training_step(mlp, mode)
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        m, k, n, k_out = shape.dims
+        itemsize = jnp.dtype(shape.dtype).itemsize
+        # FLOPs: the gate and up products (+ the down product); fwd+bwd 3x (dx and dW per product).
+        flops = 2.0 * 2 * m * k * n + 2.0 * m * n * k_out
+        # Bytes: read x and the weights, write the output (fwd+bwd: also read dy, write dx and dW).
+        weights = 2 * k * n + n * k_out
+        tensors = m * k + weights + m * (k_out or n)
+        return (tensors if mode == "fwd" else 2 * tensors + m * k + weights) * itemsize, flops * (1 if mode == "fwd" else 3)
+
+    return Spec("gated_mlp", shapes, make_inputs, build, floor, anchors={"jax_plain": plain_jax},
+                main_anchor="jax_plain", precheck=False)
+
+
+SPECS["gated_mlp"] = _gated_mlp_spec()
+
+
 def _attention_spec() -> Spec:
     # dims: (B, T, N, K, H); S = T. Options per shape: the report list.
     shapes = (
