@@ -1,11 +1,15 @@
-"""Times variants of an attention backend's module constants against cuDNN, interleaved in one process.
+"""Times variants of an attention backend's kernel config (or module constants) against cuDNN, interleaved in one process.
 
     python -m benchmarks.tune_attention --backend pallas_gpu \
-        --variant default --variant _SMEM_BUDGET=232448 --out tune.json
+        --variant default --variant dz_tiles=0 --variant overlap=0,flat_forward=0 --out tune.json
+    python -m benchmarks.tune_attention --backend pallas_gpu --variant candidates
     python -m benchmarks.tune_attention --backend triton --variant default --variant source=old.py
 
-Each variant sets module-level constants of forgeax.kernels.<backend path>.attention before
-tracing (kernels read them at trace time), builds fwd and fwd+bwd at the benchmark shape
+For a backend with a kernel config (pallas_gpu: `AttentionConfig`) a variant names fields that
+change the call's heuristic config ('candidates': every config of `candidate_configs`), passed as
+`ops.attention(..., config=...)`. For the others a variant sets module-level constants of
+forgeax.kernels.<backend path>.attention before tracing (kernels read them at trace time).
+Each variant builds fwd and fwd+bwd at the benchmark shape
 (B4 T=S=4096 N32 H128 bf16 causal unless --shape says otherwise) and is timed in interleaved
 rounds with cuDNN (tools/bench.py's method); the output and the gradients are checked against
 cuDNN's (a variant off by more than 2e-2 relative is reported and dropped). With
@@ -20,6 +24,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
 import statistics
 import sys
 
@@ -28,7 +33,8 @@ import jax.numpy as jnp
 
 from benchmarks.common import alternating, attention_calls, interleaved, jitted_steps, kernel_times, rel_err
 from benchmarks.common import attention_inputs as random_inputs
-from forgeax import ops
+from forgeax import core, ops
+from forgeax.kernels.common.attention import AttentionSpec
 
 MODULES = {"pallas_gpu": "forgeax.kernels.pallas.gpu.attention", "triton": "forgeax.kernels.triton.attention"}
 
@@ -49,6 +55,30 @@ def _parse(variant: str, module) -> dict[str, object]:
                 if callable(value) and not isinstance(value, type) and name in vars(module)}
     value = lambda v: () if v == "()" else tuple(int(x) for x in v.split(":") if x) if ":" in v else int(v)
     return {name: value(v) for name, v in (item.split("=") for item in variant.split(","))}
+
+
+def _configs(variants: list[str], impl, call: tuple, spec) -> dict[str, object]:
+    """variant name -> kernel config: 'default' the call's heuristic config, 'candidates' every
+    config of `candidate_configs` (named by the fields that differ), 'a=1,b=0' the heuristic
+    config with those fields (ints; 0/1 for switches)."""
+    base = impl.heuristic_config(*call, spec=spec)
+    configs = {}
+    for variant in variants:
+        if variant == "candidates":
+            for config in impl.candidate_configs(*call, spec=spec):
+                changed = {k: v for k, v in config.to_dict().items() if v != base.to_dict()[k]}
+                configs[",".join(f"{k}={int(v)}" for k, v in changed.items()) or "default"] = config
+        elif variant == "default":
+            configs[variant] = base
+        else:
+            fields = {f.name: f for f in dataclasses.fields(base)}
+            changes = {}
+            for name, text in (item.split("=") for item in variant.split(",")):
+                if name not in fields:
+                    raise SystemExit(f"--variant {variant}: {type(base).__name__} has no field {name!r}")
+                changes[name] = bool(int(text)) if isinstance(getattr(base, name), bool) else int(text)
+            configs[variant] = base.replace(**changes)
+    return configs
 
 
 def main() -> None:
@@ -98,17 +128,26 @@ def main() -> None:
     candidates = {name: jitted_steps(fn) for name, fn in
                   attention_calls([], causal=causal, window=window, logit_soft_cap=cap, segment_ids=segment_ids,
                                   equal_head_dims=Hv == H).items()}
+    impl = core.OPS["attention"].implementation(args.backend)
+    configs = {}
+    if getattr(impl, "config_type", None) is not None:
+        spec = AttentionSpec(causal=causal, scale=1.0 / math.sqrt(H), window_left=None if window is None else window[0],
+                             window_right=0 if causal else None, logit_soft_cap=cap)
+        seg = segment_ids or (None, None)
+        configs = _configs(args.variant or ["default"], impl, (q, k, v, None, None, *seg, None), spec)
     defaults = {}
-    for variant in args.variant or ["default"]:
-        settings = _parse(variant, module)
-        for name in settings:
-            defaults.setdefault(name, getattr(module, name))
-        for name, value in {**defaults, **settings}.items():
-            if dataclasses.is_dataclass(defaults[name]) and isinstance(value, tuple):
-                value = type(defaults[name])(*value)  # a config dataclass from its fields in order
-            setattr(module, name, value)
-        fns = jitted_steps(lambda q, k, v: ops.attention(q, k, v, causal=causal, window=window, logit_soft_cap=cap,
-                                                         segment_ids=segment_ids, backend=args.backend))
+    for variant in configs or args.variant or ["default"]:
+        if not configs:
+            settings = _parse(variant, module)
+            for name in settings:
+                defaults.setdefault(name, getattr(module, name))
+            for name, value in {**defaults, **settings}.items():
+                if dataclasses.is_dataclass(defaults[name]) and isinstance(value, tuple):
+                    value = type(defaults[name])(*value)  # a config dataclass from its fields in order
+                setattr(module, name, value)
+        fns = jitted_steps(lambda q, k, v, config=configs.get(variant): ops.attention(
+            q, k, v, causal=causal, window=window, logit_soft_cap=cap, segment_ids=segment_ids, backend=args.backend,
+            config=config))
         # Trace + compile now, while the constants hold this variant's values.
         try:
             jax.block_until_ready(fns[0](q, k, v))
