@@ -189,7 +189,7 @@ class Tile:
            reach=None) -> "Tile":
         """Tile t, an id over dims = (heads, row tiles, batch) with heads fastest, or those three
         indices. Under causal masking the longest tiles come first, so the tail of a schedule is
-        made of short ones (measured on the forward: shortest first is 1.6x slower): the last
+        made of short ones (shortest first measured slower on the forward): the last
         query tiles (`last_first`), the first key tiles otherwise. reach: with segment ids, the
         [B, row tiles, 3] ref of `segment_ranges` that narrows the blocks (`within_reach`)."""
         n, i, b = t if isinstance(t, tuple) else unravel(t, dims)
@@ -212,7 +212,7 @@ TMA_TILE_ROWS = 8
 class Tails:
     """A call's real lengths T, S and head dims H, Hv; the whole tiles (multiples of 128) the
     kernels run over, and the head dims they compute with (`head_dim`, `value_head_dim`: the
-    kernels' choice, `_kernel_head_dims` in attention.py).
+    kernels' choice, `kernel_head_dims`).
 
     Lengths that are not multiples of 128 are not copied into padded arrays: the kernels read q, k,
     v, dO, O in place and write out, dq, dk, dv in place, and TMA fills the rows of a box past the

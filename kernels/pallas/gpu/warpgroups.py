@@ -1,6 +1,6 @@
 """Building blocks of the warp-specialised Mosaic GPU attention kernels (Hopper).
 
-Every kernel in kernels/pallas/gpu/attention.py has one shape of CTA: `WGS` consumer warpgroups
+Every kernel in kernels/pallas/gpu/attention_forward.py and attention_backward.py has one shape of CTA: `WGS` consumer warpgroups
 of `ROWS` rows each (the wgmma M; `CTA` rows together) and one producer warpgroup that streams
 operands into a ring of SMEM slots by TMA. What they share lives here:
   * `named_barrier`, `SlotFree`, `PingPong`: synchronisation on hardware named barriers (and the
@@ -85,7 +85,7 @@ class SlotFree:
     acquires before every load, and release use i only when a load i + stages follows, so
     arrivals and syncs pair up exactly. Otherwise an mbarrier per slot that the producer waits on
     from load `stages` on: interpret mode has no named barriers, and the backward kernels
-    measured slower with them (causal B4 T4096 N32 H128 fwd+bwd 4.51 against 4.44 ms).
+    measured slower with them (docs/performance.md).
     """
 
     def __init__(self, bars, stages: int, first_id: int, named: bool):
@@ -158,14 +158,11 @@ def unravel(t, dims):
 def balance(steps: np.ndarray, ctas: int) -> np.ndarray:
     """Tiles to CTAs in tile order, each to the CTA with the least work so far (its tiles' ring
     uses plus one each for the prologue/epilogue; ties to the lower CTA): what the hardware does
-    with one CTA per tile, known ahead. In tile order (heads fastest, then query blocks: the
-    `tile` of attention.py's `_forward`) the ~#SMs tiles running at one time are a few query blocks of every head of one
-    batch, so each head's K/V is read by several of them at about the same time (L2 reuse).
-    Sorting all tiles longest first instead (LPT) runs one query block of every (batch, head) at
-    once, each streaming K/V no other tile reads: causal H = 64 0.787 against 0.692 ms, H = 128
-    1.515 against 1.002-1.016 (H100, results/attention_persistent_forward_in_order.json). Round
-    robin (tile i on CTA i mod #SMs) leaves the causal lengths unbalanced (GQA 0.999 against 0.892
-    ms per tile, H200).
+    with one CTA per tile, known ahead. In tile order (heads fastest, then query blocks) the ~#SMs
+    tiles running at one time are a few query blocks of every head of one batch, so each head's
+    K/V is read by several of them at about the same time (L2 reuse); longest-first (LPT) order
+    loses that reuse and round robin leaves causal lengths unbalanced, both measured slower
+    (docs/performance.md).
     Returns [ctas, 1 + R] int32: each CTA's tile count, then its tile ids in the order to run."""
     heap = [(0, c) for c in range(ctas)]
     lists = [[] for _ in range(ctas)]
