@@ -121,7 +121,7 @@ def interleaved(candidates: dict[Hashable, tuple[Callable, tuple]], *, calls: in
     and reversed on odd ones. Interleaving spreads clock and thermal drift over every candidate;
     reversing makes each one follow each neighbour, because a candidate timed right after another
     runs in the state the other left: in one program, cuDNN's forward measured 1.084-1.097 ms right
-    after pallas_gpu's and 1.042-1.050 otherwise (H200, benchmarks/results/attention_in_program.json)."""
+    after pallas_gpu's and 1.042-1.050 otherwise (H200, benchmarks/results/attention_H200_2026-11-25_in_program_order_effect.json)."""
     times = {name: [] for name in candidates}
     for name in alternating(list(candidates), rounds):
         fn, args = candidates[name]
@@ -308,6 +308,16 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"note: {report['floor_note']}")
 
 
+def result_name(report: dict[str, Any], ops: Sequence[str]) -> str:
+    """benchmarks/results/INDEX.md's naming, <ops>_<device>_<date>_bench.json ('NVIDIA H100 80GB
+    HBM3' -> H100); CPU runs (demonstrations, not committed) are <ops>_cpu.json."""
+    if report["platform"] == "cpu":
+        return f"{'+'.join(ops)}_cpu.json"
+    words = report["device"].replace("NVIDIA", "").split()
+    device = words[0] if words else report["device"].replace(" ", "_")
+    return f"{'+'.join(ops)}_{device}_{report['date'][:10]}_bench.json"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="append", choices=sorted(bench_specs.SPECS), help="op to time (repeatable; default all)")
@@ -318,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", action="append", choices=("fwd", "fwd+bwd"), help="default both")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<ops>_<device>.json; '-' for none)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<ops>_<device>_<date>_bench.json, "
+                        "on the CPU <ops>_cpu.json; '-' for none)")
     args = parser.parse_args(argv)
     quiet_cuda_plugin()
     args.op = args.op or sorted(bench_specs.SPECS)
@@ -327,8 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(report)
     if args.out != "-":
         root = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        device = report["device"].replace(" ", "_")
-        path = args.out or os.path.join(root, "benchmarks", "results", f"{'+'.join(args.op)}_{device}.json")
+        path = args.out or os.path.join(root, "benchmarks", "results", result_name(report, args.op))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
