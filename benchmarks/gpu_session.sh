@@ -13,6 +13,9 @@
 #   TEST_MEM_FRACTION  GPU memory per JAX process (default 0.9 / number of groups); set it
 #                when a group runs pytest-xdist workers (-n W): about 0.9 / (groups * W).
 #   TEST_TIMEOUT / BENCH_TIMEOUT  seconds.
+# The other tools run from the repository root the same way, after this script installed the
+# wheels: PYTHONPATH=/tmp/site python3 -m benchmarks.tune_attention ... (benchmarks/__init__.py).
+# Results: benchmarks/results/<op>_<device>_<date>_<what>.json, one line each in its INDEX.md.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 REPO=$(pwd)
