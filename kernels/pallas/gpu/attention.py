@@ -148,11 +148,13 @@ def candidate_configs(*args, **kwargs) -> list[AttentionConfig]:
              dict(persistent_dkv=not base.persistent_dkv), dict(dkv_fa3_order=not base.dkv_fa3_order),
              dict(persistent_dq_from_dz=not base.persistent_dq_from_dz)]
     if H[0] <= 128:
-        flips += [dict(overlap=not base.overlap, flat_forward=False), dict(dq_block_kv=64 if base.dq_block_kv == 128 else 128)]
+        flips += [dict(overlap=not base.overlap, flat_forward=False),
+                  dict(dq_block_kv=64 if base.dq_block_kv == 128 else 128)]
         if base.overlap and base.persistent:
             flips.append(dict(flat_forward=not base.flat_forward))
     else:
-        flips += [dict(one_dkv_launch=not base.one_dkv_launch), dict(dk_query_block=96 - base.dk_query_block)]
+        flips += [dict(one_dkv_launch=not base.one_dkv_launch),
+                  dict(dk_query_block=64 if base.dk_query_block == 32 else 32)]
     configs = [base]
     for change in flips:
         try:
