@@ -48,12 +48,27 @@ def _attention_with_bias(q, k, v, bias, *, backend, **kwargs):
     return ops.attention(q, k, v, bias=bias, backend=backend, **kwargs)
 
 
-def _check(backend, args, kwargs, *, seed=0):
-    """conformance.assert_conforms (which skips, with the backend's reason, what it refuses)."""
+def _gpu_config(args, kwargs, **changes):
+    """pallas_gpu's heuristic AttentionConfig for this call with `changes` (the schedule a test
+    forces), so a test runs a kernel variant the defaults would not pick here."""
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+
+    left, right = kwargs.get("window") or (None, None)
+    spec = AttentionSpec(causal=kwargs.get("causal", False), window_left=left, window_right=right)
+    segments = kwargs.get("segment_ids") or (None, None)
+    q, k, v = args[:3]
+    return pallas_gpu_attention.heuristic_config(q, k, v, None, None, *segments, None, spec=spec).replace(**changes)
+
+
+def _check(backend, args, kwargs, *, seed=0, config=None):
+    """conformance.assert_conforms (which skips, with the backend's reason, what it refuses);
+    `config`: the backend's kernel config (the reference takes none)."""
     with_bias = len(args) == 4
     public = _attention_with_bias if with_bias else ops.attention
+    run = public if config is None else functools.partial(public, config=config)
     case = conformance.Case(
-        f"attention{tuple(args[0].shape)}x{tuple(args[1].shape)}", public,
+        f"attention{tuple(args[0].shape)}x{tuple(args[1].shape)}", run,
         functools.partial(public, backend="xla"), tuple(args), kwargs, diff_argnums=tuple(range(len(args))),
         reproducible_backward=kwargs.get("deterministic") is True,
     )
@@ -163,8 +178,8 @@ def test_head_dim_256_multi_block(backend, case):
 
 
 # pallas_gpu's persistent kernels (the forward at head_dim 64, 96 and 128, and 192 with v's 128, dK/dV
-# without a left window, dQ at head_dim 192 and 256; see _PERSISTENT_HEAD_DIMS,
-# _PERSISTENT_NARROW_V_HEAD_DIMS, _PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS):
+# without a left window, dQ at head_dim 192 and 256; see heuristic_config in
+# kernels/pallas/gpu/attention.py):
 # more tiles than the GPU has SMs (16 x 8 kv heads x 2 batches of 128 keys at S = 2048), so CTAs
 # run several tiles each from the balanced table (the interpreter runs them with 2 CTAs on small
 # shapes). The check covers dq, dk, dv.
@@ -187,23 +202,23 @@ def test_pallas_gpu_persistent(case, H, Hv):
 
 @pytest.mark.skipif("pallas_gpu" not in BACKENDS, reason="pallas_gpu's persistent kernels with segment ids")
 @pytest.mark.parametrize("H,grouped", [(64, True), (64, False), (128, False)], ids=["h64-gqa", "h64-mha", "h128-mha"])
-def test_pallas_gpu_persistent_packed(monkeypatch, H, grouped):
+def test_pallas_gpu_persistent_packed(H, grouped):
     """With segment ids the head_dim-64 forward and, without GQA, the head_dim-64/128 dK/dV
     kernel run persistent, tiles dealt in tile order, each tile's blocks read from the data, when
-    there are at least 32 heads on the GPU; in the interpreter (2 CTAs) the threshold is lowered
-    so that a small call takes that path (head_dim 64 only: the interpreter cannot afford 128)."""
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-
+    there are at least 32 heads on the GPU; in the interpreter (2 CTAs) a config forces both
+    persistent on a small call (head_dim 64 only: the interpreter cannot afford 128)."""
+    config = None
     if ON_CPU:
         if H != 64:
             pytest.skip("the Mosaic GPU interpreter cannot afford head_dim 128 here")
-        monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_SEGMENTED_MIN_HEADS", 1)
         B, T, N, K, docs = 1, 384, 2, 1 if grouped else 2, 90
     else:
         B, T, N, K, docs = 2, 2048, 32, 8 if grouped else 32, 300
     ids = _documents(B, T, docs, 7)
-    _check("pallas_gpu", _qkv(B, T, T, N, K, H, jnp.bfloat16, seed=T + N + H),
-           dict(causal=True, segment_ids=(ids, ids)))
+    args, kwargs = _qkv(B, T, T, N, K, H, jnp.bfloat16, seed=T + N + H), dict(causal=True, segment_ids=(ids, ids))
+    if ON_CPU:
+        config = _gpu_config(args, kwargs, persistent=True, persistent_dkv=True)
+    _check("pallas_gpu", args, kwargs, config=config)
 
 
 # pallas_gpu runs lengths that are not multiples of 128 over whole tiles of the arrays in place:
@@ -244,26 +259,24 @@ FORWARD_VARIANTS = [
     ("causal_T>S", "sequential", "per_tile"), ("causal_T>S", "overlapped", "persistent"),
     ("window", "overlapped", "persistent"), ("window", "sequential", "per_tile"),
     ("soft_cap", "sequential", "persistent"), ("soft_cap", "overlapped", "per_tile"),
-    # The overlapped schedule as one pipeline across each CTA's tiles (_FLAT_FORWARD_HEAD_DIMS).
+    # The overlapped schedule as one pipeline across each CTA's tiles (flat_forward).
     ("full_T<S", "overlapped", "flat"), ("causal_T>S", "overlapped", "flat"), ("window", "overlapped", "flat"),
 ]
 
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
 @pytest.mark.parametrize("case,schedule,grid", FORWARD_VARIANTS)
-def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, grid, monkeypatch):
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-
-    monkeypatch.setattr(pallas_gpu_attention, "_OVERLAP_HEAD_DIMS", (64,) if schedule == "overlapped" else ())
-    monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_HEAD_DIMS", () if grid == "per_tile" else (64,))
-    monkeypatch.setattr(pallas_gpu_attention, "_FLAT_FORWARD_HEAD_DIMS", (64,) if grid == "flat" else ())
+def test_pallas_gpu_forward_schedules_in_interpreter(case, schedule, grid):
     T, S, kwargs = SCHEDULE_CASES[case]
     # K = N in {3, 1, 5, 2, 4}, one per (schedule, grid): shapes no other test traces, so no cached
     # trace of another variant is reused. The interpreter's persistent grid has 2 CTAs.
     heads = {("overlapped", "per_tile"): 3, ("sequential", "per_tile"): 1,
              ("overlapped", "persistent"): 5, ("sequential", "persistent"): 2,
              ("overlapped", "flat"): 4}[schedule, grid]
-    _check("pallas_gpu", _qkv(1, T, S, heads, heads, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
+    args = _qkv(1, T, S, heads, heads, 64, jnp.bfloat16, seed=T + 7 * S)
+    config = _gpu_config(args, kwargs, overlap=schedule == "overlapped", persistent=grid != "per_tile",
+                         flat_forward=grid == "flat")
+    _check("pallas_gpu", args, kwargs, config=config)
 
 
 # pallas_gpu with segment ids: sorted documents (tiles inside one document skip the segment
@@ -286,19 +299,16 @@ SEGMENT_VARIANTS = [("causal_documents", "overlapped"), ("q_only_ids_T<S", "sequ
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
 @pytest.mark.parametrize("case,schedule", SEGMENT_VARIANTS)
-def test_pallas_gpu_segments_in_interpreter(case, schedule, monkeypatch):
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-
-    monkeypatch.setattr(pallas_gpu_attention, "_OVERLAP_HEAD_DIMS", (64,) if schedule == "overlapped" else ())
+def test_pallas_gpu_segments_in_interpreter(case, schedule):
     T, S, kwargs, segment_ids = SEGMENT_CASES[case]
     N, K = 4, 2  # each case runs once (no other test traces these shapes and ids)
-    _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + S + N),
-           dict(kwargs, segment_ids=segment_ids()))
+    args, kwargs = _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + S + N), dict(kwargs, segment_ids=segment_ids())
+    _check("pallas_gpu", args, kwargs, config=_gpu_config(args, kwargs, overlap=schedule == "overlapped"))
 
 
-# pallas_gpu's dK/dV kernel has two step orders (FA3's at head_dim 64, the other at 128, see
-# _DKV_FA3_ORDER_HEAD_DIMS), and both backward kernels a persistent and a per-tile grid
-# (_PERSISTENT_DKV_HEAD_DIMS, _PERSISTENT_DQ_HEAD_DIMS, forced here); the interpreter runs each at
+# pallas_gpu's dK/dV kernel has two step orders (FA3's at head_dim 64, the other at 128:
+# dkv_fa3_order), and both backward kernels a persistent and a per-tile grid (persistent_dkv,
+# persistent_dq; forced here by a config); the interpreter runs each at
 # head_dim 64, with GQA (dK/dV summed over the group), a window and a soft cap.
 BACKWARD_ORDER_CASES = {
     "causal_gqa": (256, 256, dict(causal=True)),
@@ -315,45 +325,38 @@ BACKWARD_VARIANTS = [
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
 @pytest.mark.parametrize("case,order,grid", BACKWARD_VARIANTS)
-def test_pallas_gpu_backward_orders_in_interpreter(case, order, grid, monkeypatch):
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-
-    monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
-    for name in ("_PERSISTENT_DKV_HEAD_DIMS", "_PERSISTENT_DQ_HEAD_DIMS"):
-        monkeypatch.setattr(pallas_gpu_attention, name, (64,) if grid == "persistent" else ())
+def test_pallas_gpu_backward_orders_in_interpreter(case, order, grid):
     T, S, kwargs = BACKWARD_ORDER_CASES[case]
     # Head counts no other test of the same case traces (so no cached trace of another variant is
     # reused), groups of 2 and 3. The interpreter's persistent grid has 2 CTAs.
     N, K = {("fa3", "persistent"): (6, 2), ("three_waits", "persistent"): (6, 3),
             ("fa3", "per_tile"): (4, 2), ("three_waits", "per_tile"): (4, 2)}[order, grid]
-    _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 3 * S + N), kwargs)
+    args = _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 3 * S + N)
+    persistent = grid == "persistent"
+    # Under a left window the dK/dV grid stays per tile (as the heuristic keeps it).
+    config = _gpu_config(args, kwargs, dkv_fa3_order=order == "fa3", persistent_dq=persistent,
+                         persistent_dkv=persistent and "window" not in kwargs)
+    _check("pallas_gpu", args, kwargs, config=config)
 
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
-def test_pallas_gpu_backward_with_xla_delta_in_interpreter(monkeypatch):
-    """_DELTA_IN_DQ_KERNEL off: delta from an XLA reduction, the dQ kernel reads it. Without a
+def test_pallas_gpu_backward_with_xla_delta_in_interpreter():
+    """delta_in_dq_kernel off: delta from an XLA reduction, the dQ kernel reads it. Without a
     left window (with one, delta always comes from XLA: the window cases cover that)."""
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-
-    monkeypatch.setattr(pallas_gpu_attention, "_DELTA_IN_DQ_KERNEL", False)
     T, S, kwargs = BACKWARD_ORDER_CASES["causal_gqa"]
-    _check("pallas_gpu", _qkv(1, T, S, 2, 1, 64, jnp.bfloat16, seed=T + 5 * S), kwargs)
+    args = _qkv(1, T, S, 2, 1, 64, jnp.bfloat16, seed=T + 5 * S)
+    _check("pallas_gpu", args, kwargs, config=_gpu_config(args, kwargs, delta_in_dq_kernel=False))
 
 
 @pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
 @pytest.mark.parametrize("case,order,grid", [("causal_gqa", "fa3", "persistent"),
                                              ("window_soft_cap_T<S", "three_waits", "per_tile"),
                                              ("segments", "three_waits", "persistent"), ("unaligned", "fa3", "per_tile")])
-def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid, monkeypatch):
+def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid):
     """dq from the dz^T tiles of the dK/dV kernel (`_dq_from_dz`), at head_dim 64 here (the GPU
     takes it at 128, where every other test there covers it), with the dz^T store after either
-    dK/dV step order. T != S and windows give key blocks whose tiles one warpgroup never wrote."""
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-
-    monkeypatch.setattr(pallas_gpu_attention, "_DZ_TILES_HEAD_DIMS", (64,))
-    monkeypatch.setattr(pallas_gpu_attention, "_DZ_TILES_WINDOWED", True)  # off by default (slower), kept correct
-    monkeypatch.setattr(pallas_gpu_attention, "_DKV_FA3_ORDER_HEAD_DIMS", (64,) if order == "fa3" else ())
-    monkeypatch.setattr(pallas_gpu_attention, "_PERSISTENT_DQ_FROM_DZ_HEAD_DIMS", (64,) if grid == "persistent" else ())
+    dK/dV step order. T != S and windows give key blocks whose tiles one warpgroup never wrote
+    (under a window the heuristic takes no tiles: slower there, kept correct)."""
     if case == "segments":
         T, S = 200, 300
         kwargs = dict(causal=True, segment_ids=(_segments(1, T, 5, empty_id=1), _segments(1, S, 6)))
@@ -363,36 +366,71 @@ def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid, monkeypat
         T, S, kwargs = BACKWARD_ORDER_CASES[case]
     # Head counts (3 over 1, 6 over 3) no other test traces: no cached trace of the other path.
     N, K = (6, 3) if order == "fa3" else (3, 1)
-    _check("pallas_gpu", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 11 * S), kwargs)
+    args = _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 11 * S)
+    # With segment ids the dq-from-dz^T grid stays per tile.
+    config = _gpu_config(args, kwargs, dz_tiles=True, dkv_fa3_order=order == "fa3",
+                         persistent_dq_from_dz=grid == "persistent" and case != "segments")
+    _check("pallas_gpu", args, kwargs, config=config)
+
+
+def _triton_config(args, kwargs, **changes):
+    """Triton's heuristic TritonAttentionConfig for this call with `changes` (the tiles or
+    schedule a test forces)."""
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.triton.attention import heuristic_config
+
+    left, right = kwargs.get("window") or (None, None)
+    spec = AttentionSpec(causal=kwargs.get("causal", False), window_left=left, window_right=right)
+    segments = kwargs.get("segment_ids") or (None, None)
+    q, k, v = args[:3]
+    return heuristic_config(q, k, v, None, None, *segments, None, spec=spec).replace(**changes)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
 @pytest.mark.parametrize("path", ["dz_tiles", "dq_programs"])
 @pytest.mark.parametrize("case", ["causal_gqa", "window_soft_cap_T<S", "segments"])
-def test_triton_backward_dq_from_dz_tiles_and_from_its_dq_programs(case, path, monkeypatch):
+def test_triton_backward_dq_from_dz_tiles_and_from_its_dq_programs(case, path):
     """Both ways the Triton backward computes dq at head_dim 64: from the dz^T tiles the dK/dV
     programs store (`_dq_kernel`; the default at head_dim 128 while they fit) and from the fused
     kernel's own dQ programs (the default at 64, and past the tiles' budget)."""
-    from forgeax.kernels.triton import attention as triton_attention
-
-    monkeypatch.setattr(triton_attention, "_DZ_TILES_PADDED_HEAD_DIMS", (64,))
-    if path == "dq_programs":
-        monkeypatch.setattr(triton_attention, "_DZ_TILES_MAX_BYTES", 0)
     if case == "segments":
         T, S = 40, 130
         kwargs = dict(causal=True, segment_ids=(_segments(1, T, 3, empty_id=1), _segments(1, S, 4)))
     else:
         T, S, kwargs = BACKWARD_ORDER_CASES[case]
-    # Head counts no other test traces, so no cached trace of the other path is reused.
     N, K = (5, 1) if path == "dz_tiles" else (6, 3)
-    _check("triton", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
+    args = _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 7 * S)
+    _check("triton", args, kwargs, config=_triton_config(args, kwargs, dq_from_dz_tiles=path == "dz_tiles"))
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
+@pytest.mark.parametrize("tiles", ["small", "wide"])
+def test_triton_explicit_config_tiles_match_reference(tiles):
+    """An explicit config reaches the kernels (`resolve_config` returns it as is) and other
+    tiles than the heuristic's still match the reference: the block bounds, tails and the
+    segment ranges per block size follow the config."""
+    from forgeax.kernels.triton.attention import ATTENTION
+
+    changes = dict(small=dict(block_m=16, block_n=32, block_m1=32, block_n1=16, block_m2=16, block_n2=32,
+                              delta_block_m=16, fwd_stages=2),
+                   wide=dict(block_m=64, block_n=64, block_m1=64, block_n1=64, block_m2=64, block_n2=64,
+                             fwd_warps=8, bwd_warps=8))[tiles]
+    T, S = 70, 100
+    kwargs = dict(causal=True, segment_ids=(_segments(1, T, 2), _segments(1, S, 3)))
+    args = _qkv(1, T, S, 4, 2, 32, jnp.float32, seed=11)
+    config = _triton_config(args, kwargs, **changes)
+    assert ATTENTION.resolve_config(args, {}, config, "cpu") == (config, "explicit")
+    _check("triton", args, kwargs, config=config)
 
 
 def test_triton_dz_tiles_extent_rounds_to_blocks_and_keeps_the_budget():
-    from forgeax.kernels.triton import attention as triton_attention
+    from forgeax.kernels.triton.attention import TritonAttentionConfig
+    from forgeax.kernels.triton.attention_backward import dz_tiles_extent
 
-    cfg = triton_attention.AttentionConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
-    extent = functools.partial(triton_attention.dz_tiles_extent, cfg=cfg)
+    config = TritonAttentionConfig(block_m=128, block_n=64, fwd_warps=8, fwd_stages=3, block_m1=64, block_n1=128,
+                                   block_m2=128, block_n2=64, bwd_warps=8, bwd_stages=3, delta_block_m=64,
+                                   dq_from_dz_tiles=True)
+    extent = functools.partial(dz_tiles_extent, config=config)
     assert extent(1, 1, 1000, 130, jnp.bfloat16) == (256, 1024)  # keys to 128s, queries to 128s
     assert extent(4, 32, 4096, 4096, jnp.bfloat16) == (4096, 4096)  # exactly 4 GiB
     assert extent(4, 32, 4096, 4096, jnp.float32) is None
@@ -885,13 +923,15 @@ def test_pallas_gpu_dz_tiles_are_packed(T, S, window):
     they cover exactly the pairs with a visible (query, key) inside the padded lengths (a causal
     call stores about half of [S, T])."""
     from forgeax.kernels.common.attention import AttentionSpec
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
+    from forgeax.kernels.pallas.gpu import attention_backward
+    from forgeax.kernels.pallas.gpu.attention import heuristic_config
+    from forgeax.kernels.pallas.gpu.attention_tiles import tails_of
 
     q = jax.ShapeDtypeStruct((1, T, 1, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
     spec = AttentionSpec(causal=True, window_left=window)
-    tails = pallas_gpu_attention._tails(q, kv, kv)
-    layout = pallas_gpu_attention._dz_layout(spec, tails)
+    tails = tails_of(q, kv, kv)
+    layout = attention_backward._dz_layout(spec, tails)
     Tp, Sp = tails.T_padded, tails.S_padded
     t, s = np.arange(Tp)[None, :], np.arange(Sp)[:, None]
     d = t + (S - T) - s  # key s is d keys left of query t's aligned position
@@ -903,14 +943,15 @@ def test_pallas_gpu_dz_tiles_are_packed(T, S, window):
     assert sorted(entries) == list(range(layout.count))  # every entry used exactly once
     if window is None and T == S:
         assert layout.count / pairs.size < 0.52
-    B, N = 1, 32  # small enough to fit: only the window decides
-    assert (pallas_gpu_attention._dz_tiles(spec, tails, B, N, jnp.bfloat16) is not None) == (window is None)
+    B, N = 1, 32  # small enough to fit: only the window decides (the heuristic takes no tiles under one)
+    config = heuristic_config(q, kv, kv, spec=spec)
+    assert (attention_backward._dz_tiles(spec, tails, B, N, jnp.bfloat16, config) is not None) == (window is None)
 
 
 def test_pallas_gpu_kernel_head_dims():
     """The (q/k, v) head dims pallas_gpu computes with: each padded to the next kernel head dim, v
     narrower than q/k kept narrower (MLA) except beside 256; v wider pads q/k with it."""
-    from forgeax.kernels.pallas.gpu.attention import _kernel_head_dims
+    from forgeax.kernels.pallas.gpu.attention_tiles import kernel_head_dims as _kernel_head_dims
 
     assert _kernel_head_dims(128, 128) == (128, 128)
     assert _kernel_head_dims(192, 128) == (192, 128)
@@ -920,6 +961,54 @@ def test_pallas_gpu_kernel_head_dims():
     assert _kernel_head_dims(256, 128) == (256, 256)
     assert _kernel_head_dims(200, 64) == (256, 256)
     assert _kernel_head_dims(64, 300) is None and _kernel_head_dims(320, 64) is None
+
+
+def _gpu_heuristic(H, Hv=None, N=32, K=32, T=4096, window=None, segments=False):
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.pallas.gpu.attention import heuristic_config
+
+    q = jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16)
+    k, v = (jax.ShapeDtypeStruct((1, T, K, d), jnp.bfloat16) for d in (H, Hv or H))
+    ids = jax.ShapeDtypeStruct((1, T), jnp.int32) if segments else None
+    return heuristic_config(q, k, v, None, None, ids, ids, None, spec=AttentionSpec(causal=True, window_left=window))
+
+
+def test_pallas_gpu_heuristic_config():
+    """pallas_gpu's default schedules per call (the measured choices heuristic_config documents)."""
+    h128, h64, h192, h256, mla = (_gpu_heuristic(128), _gpu_heuristic(64, K=8), _gpu_heuristic(192),
+                                  _gpu_heuristic(256), _gpu_heuristic(192, 128))
+    assert h128.overlap and h128.persistent and h128.flat_forward and h128.dz_tiles and h128.one_dkv_launch
+    assert not h64.overlap and h64.persistent and h64.dkv_fa3_order and not h64.dz_tiles and h64.delta_in_dq_kernel
+    assert not h192.persistent and h192.persistent_dq and h192.dq_block_kv == 64 and not h192.one_dkv_launch
+    assert h192.dk_query_block == 64 and h256.dk_query_block == 32 and h256.dq_block_kv == 32
+    assert mla.persistent and mla.one_dkv_launch
+    windowed = _gpu_heuristic(128, window=100)
+    assert not (windowed.dz_tiles or windowed.delta_in_dq_kernel or windowed.persistent_dkv)
+    packed = _gpu_heuristic(64, segments=True)
+    assert packed.persistent and packed.persistent_dkv and not packed.persistent_dq
+    few_heads = _gpu_heuristic(64, N=16, K=16, segments=True)
+    assert not few_heads.persistent and not few_heads.persistent_dkv
+    assert not _gpu_heuristic(128, segments=True).flat_forward
+
+
+def test_pallas_gpu_config_is_validated_and_candidates_are_valid():
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.pallas.gpu.attention import AttentionConfig, candidate_configs
+
+    base = _gpu_heuristic(128)
+    for field, value in (("dq_block_kv", 96), ("dk_query_block", 128), ("dz_tiles_max_bytes", 0)):
+        with pytest.raises(ValueError, match=field):
+            base.replace(**{field: value})
+    with pytest.raises(ValueError, match="flat_forward"):
+        base.replace(overlap=False)
+    assert AttentionConfig.from_dict(base.to_dict()) == base
+    for H in (64, 128, 256):
+        q = jax.ShapeDtypeStruct((1, 256, 2, H), jnp.bfloat16)
+        configs = candidate_configs(q, q, q, None, None, None, None, None, spec=AttentionSpec(causal=True))
+        assert configs[0] == _gpu_heuristic(H, N=2, K=2, T=256) and len(set(configs)) == len(configs) > 4
+    with pytest.raises(NotImplementedError, match="takes no config"):  # UnsupportedError
+        q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+        ops.attention(q, q, q, backend="xla", config=base)
 
 
 def test_inference_order_rule():
