@@ -95,3 +95,17 @@ def test_triton_candidate_configs_lower():
     for config in impl.candidate_configs(x, wg, wu, wd, spec=spec):
         text = conformance.lowered_text(lambda *a, config=config: impl.fn(*a, spec=spec, config=config), x, wg, wu, wd, platform="cuda")
         assert text.count("triton_kernel_call") == 1, config
+
+
+@pytest.mark.parametrize("case", CASES, ids=_IDS)
+def test_pallas_tpu_forward_and_backward_lower_for_tpu(case):
+    from forgeax.kernels.pallas.tpu import gated_mlp as tpu_gated_mlp
+
+    _check(tpu_gated_mlp.GATED_MLP, "tpu", "tpu_custom_call", case)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_pallas_tpu_each_activation_lowers(activation):
+    from forgeax.kernels.pallas.tpu import gated_mlp as tpu_gated_mlp
+
+    _check(tpu_gated_mlp.GATED_MLP, "tpu", "tpu_custom_call", ((300,), 96, 200, None, jnp.float32, False), activation)
