@@ -9,8 +9,9 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
+from forgeax.core import KernelConfig, Selection, define_op
+from forgeax.kernels.common.losses import REDUCTIONS, LossSpec
 from forgeax.ops import checks
-from forgeax.core import Selection, define_op
 
 CROSS_ENTROPY = define_op(
     "cross_entropy",
@@ -21,8 +22,6 @@ CROSS_ENTROPY = define_op(
     },
     selection=Selection.load("forgeax.ops", "rules/cross_entropy.json"),
 )
-
-REDUCTIONS = ("mean", "sum", "none")
 
 
 def _number(name: str, value: Any) -> float:
@@ -49,8 +48,9 @@ def check_targets(targets, batch_shape: tuple, source: str) -> None:
         )
 
 
-def check_options(label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name) -> dict:
-    """Validates the loss options shared by cross_entropy and linear_cross_entropy; returns them normalised."""
+def loss_spec(label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name) -> LossSpec:
+    """Validates the loss options shared by cross_entropy and linear_cross_entropy (errors name
+    the argument); returns them normalised, once, as the LossSpec every backend receives."""
     ls = _number("label_smoothing", label_smoothing)
     if not 0.0 <= ls <= 1.0:
         raise ValueError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
@@ -66,7 +66,7 @@ def check_options(label_smoothing, ignore_index, reduction, z_loss, logit_soft_c
         logit_soft_cap = float(logit_soft_cap)
     if axis_name is not None and not isinstance(axis_name, Hashable):
         raise TypeError(f"axis_name: expected None or a mesh axis name (str or tuple of str), got {axis_name!r}")
-    return dict(
+    return LossSpec(
         label_smoothing=ls,
         ignore_index=int(ignore_index),
         reduction=reduction,
@@ -76,12 +76,12 @@ def check_options(label_smoothing, ignore_index, reduction, z_loss, logit_soft_c
     )
 
 
-def _check(logits, targets, label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name) -> dict:
+def _check(logits, targets, label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name) -> LossSpec:
     checks.floating_array("logits", logits, min_rank=1)
     if logits.shape[-1] == 0:
         raise ValueError(f"logits: expected a non-empty last (vocabulary) axis, got shape {tuple(logits.shape)}")
     check_targets(targets, tuple(logits.shape[:-1]), "logits'")
-    return check_options(label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name)
+    return loss_spec(label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name)
 
 
 def cross_entropy(
@@ -95,6 +95,7 @@ def cross_entropy(
     logit_soft_cap: float | None = None,
     axis_name: Hashable | None = None,
     backend: str | None = None,
+    config: KernelConfig | None = None,
 ) -> Float[Array, "..."]:
     """Softmax cross-entropy between logits and integer class targets.
 
@@ -133,11 +134,17 @@ def cross_entropy(
       axis_name: None, or the `shard_map` mesh axis the vocabulary is split over.
       backend: None (best for this device), "xla", "triton", "pallas_tpu"
         ("pallas" on a TPU), or a user-registered name.
+      config: None (a tuned or heuristic config for the call), or a kernel config
+        of the chosen backend: `CrossEntropyTritonConfig` (kernels/triton/cross_entropy.py:
+        block_v, num_warps, grad_in_forward) or `CrossEntropyPallasTpuConfig`
+        (kernels/pallas/tpu/cross_entropy.py: block_rows, block_v). With backend=None
+        only backends taking that config type are considered; "xla" takes none.
+        `forgeax.explain` shows the config a call runs with and where it came from.
 
     Returns:
       f32: a scalar for "mean"/"sum"; for "none" an array of targets' shape
       (0 at ignored tokens). Differentiable with respect to logits (the
       gradient has logits' dtype); targets get no gradient.
     """
-    kwargs = _check(logits, targets, label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name)
-    return CROSS_ENTROPY(logits, targets, backend=backend, **kwargs)
+    spec = _check(logits, targets, label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name)
+    return CROSS_ENTROPY(logits, targets, spec=spec, backend=backend, config=config)

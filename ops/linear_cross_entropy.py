@@ -6,9 +6,9 @@ from collections.abc import Hashable
 
 from jaxtyping import Array, Float, Integer
 
+from forgeax.core import KernelConfig, Selection, define_op
 from forgeax.ops import checks
-from forgeax.ops.cross_entropy import check_options, check_targets
-from forgeax.core import Selection, define_op
+from forgeax.ops.cross_entropy import check_targets, loss_spec
 
 
 LINEAR_CROSS_ENTROPY = define_op(
@@ -59,6 +59,7 @@ def linear_cross_entropy(
     axis_name: Hashable | None = None,
     chunk_size: int | None = None,
     backend: str | None = None,
+    config: KernelConfig | None = None,
 ) -> Float[Array, "..."]:
     """Softmax cross-entropy of the logits `x @ weight + bias`, without materialising them.
 
@@ -99,6 +100,13 @@ def linear_cross_entropy(
       backend: None (best for this device), "xla" (materialises the logits),
         "xla_chunked", "triton", "pallas_gpu", "pallas_tpu" ("pallas"), or a
         user-registered name.
+      config: None (a tuned or heuristic config for the call), or a kernel config
+        of the chosen backend: `LinearCrossEntropyTritonConfig` (the row kernel's
+        block_v, num_warps), `LinearCrossEntropyPallasGpuConfig` (warpgroups,
+        block_n, stages) or `CrossEntropyPallasTpuConfig` (block_rows, block_v),
+        each in its backend's kernels/<backend>/ file. With backend=None only
+        backends taking that config type are considered; "xla" and
+        "xla_chunked" take none. `forgeax.explain` shows the config a call runs with.
 
     Returns:
       f32: a scalar for "mean"/"sum"; for "none" an array of targets' shape.
@@ -106,5 +114,5 @@ def linear_cross_entropy(
       dtypes); targets get no gradient.
     """
     _check(x, weight, targets, bias, chunk_size)
-    kwargs = check_options(label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name)
-    return LINEAR_CROSS_ENTROPY(x, weight, targets, bias=bias, chunk_size=chunk_size, backend=backend, **kwargs)
+    spec = loss_spec(label_smoothing, ignore_index, reduction, z_loss, logit_soft_cap, axis_name)
+    return LINEAR_CROSS_ENTROPY(x, weight, targets, bias, spec=spec, chunk_size=chunk_size, backend=backend, config=config)

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 import conformance
+from forgeax import core as interface
 from forgeax import ops
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.xla import cross_entropy as reference
-from forgeax.ops import interface
 
 BACKENDS = conformance.runnable_backends("cross_entropy")
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -48,10 +49,16 @@ def _inputs(tokens, vocab, dtype, seed, *, scale=3.0, ignore_every=0):
     return logits, jnp.asarray(targets)
 
 
-def _assert_conforms(backend, logits, targets, *, seed=0, **kwargs):
+def _reference(logits, targets, **options):
+    """The XLA reference with the op's keyword options (it takes them as one LossSpec)."""
+    return reference.cross_entropy(logits, targets, spec=LossSpec(**options))
+
+
+def _assert_conforms(backend, logits, targets, *, seed=0, config=None, **kwargs):
     """conformance.assert_conforms for a loss: f32 output, gradient w.r.t. logits only."""
+    public = functools.partial(ops.cross_entropy, config=config) if config is not None else ops.cross_entropy
     case = conformance.Case(
-        f"cross_entropy{tuple(logits.shape)}", ops.cross_entropy, reference.cross_entropy, (logits, targets), kwargs,
+        f"cross_entropy{tuple(logits.shape)}", public, _reference, (logits, targets), kwargs,
         diff_argnums=(0,), output_dtype=jnp.float32, forward_tolerance=FORWARD_TOLERANCE,
     )
     out, (grad,) = conformance.assert_conforms(case, backend, seed=seed)
@@ -167,7 +174,7 @@ def test_jit_grad_vmap_checkpoint_match_reference(backend):
     logits, targets = _inputs((3, 5), 1000, jnp.float32, seed=16, ignore_every=4)
     kwargs = dict(label_smoothing=0.1, z_loss=1e-3)
     ours = jax.checkpoint(functools.partial(ops.cross_entropy, backend=backend, **kwargs))
-    ref = functools.partial(reference.cross_entropy, **kwargs)
+    ref = functools.partial(_reference, **kwargs)
     # Both arguments batched, then only the logits (the targets broadcast over the batch).
     for t_axis, t in ((0, targets), (None, targets[0])):
         got = jax.jit(jax.vmap(jax.value_and_grad(ours), in_axes=(0, t_axis)))(logits, t)
@@ -176,9 +183,9 @@ def test_jit_grad_vmap_checkpoint_match_reference(backend):
             assert conformance.relative_error(g, w) < 1e-5, t_axis
     # vmap of the per-token loss, and a gradient through a vmapped sum-reduced loss.
     per_token = jax.jit(jax.vmap(lambda x, t: ops.cross_entropy(x, t, backend=backend, reduction="none")))(logits, targets)
-    assert conformance.relative_error(per_token, reference.cross_entropy(logits, targets, reduction="none")) < 1e-5
+    assert conformance.relative_error(per_token, _reference(logits, targets, reduction="none")) < 1e-5
     g = jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(lambda a, b: ops.cross_entropy(a, b, backend=backend, reduction="sum"))(x, targets))))(logits)
-    want_g = jax.jit(jax.grad(lambda x: reference.cross_entropy(x, targets, reduction="sum")))(logits)
+    want_g = jax.jit(jax.grad(lambda x: _reference(x, targets, reduction="sum")))(logits)
     assert conformance.relative_error(g, want_g) < 1e-5
 
 
@@ -187,13 +194,87 @@ def test_triton_gradient_in_forward_variant_matches_reference():
         pytest.skip("the Triton backend does not run here")
     from forgeax.kernels.triton import cross_entropy as triton_ce
 
-    config = triton_ce.CrossEntropyConfig(block_v=1024, grad_in_forward=True)
+    config = triton_ce.CrossEntropyTritonConfig(block_v=1024, grad_in_forward=True)
     logits, targets = _inputs(7, 3000, jnp.bfloat16, seed=17, ignore_every=3)
     kwargs = dict(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=20.0, reduction="mean")
-    loss, grad = jax.jit(jax.value_and_grad(lambda x: triton_ce.cross_entropy(x, targets, config=config, **kwargs)))(logits)
-    want, want_grad = jax.value_and_grad(lambda x: reference.cross_entropy(x, targets, **kwargs))(logits.astype(jnp.float32))
+    loss, grad = jax.jit(jax.value_and_grad(lambda x: ops.cross_entropy(x, targets, backend="triton", config=config, **kwargs)))(logits)
+    want, want_grad = jax.value_and_grad(lambda x: _reference(x, targets, **kwargs))(logits.astype(jnp.float32))
     assert conformance.relative_error(loss, want) < 1e-5
     assert grad.dtype == jnp.bfloat16 and conformance.relative_error(grad, want_grad) < 1e-2
+
+
+def _small_configs():
+    """A non-default config per kernel backend: blocks much narrower than the heuristic's, so
+    V=1000 runs several vocabulary blocks (and the TPU kernel several row blocks)."""
+    configs = {}
+    if "triton" in BACKENDS:
+        from forgeax.kernels.triton import cross_entropy as triton_ce
+
+        configs["triton"] = triton_ce.CrossEntropyTritonConfig(block_v=256, num_warps=1)
+    if "pallas_tpu" in BACKENDS:
+        from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
+
+        configs["pallas_tpu"] = tpu_ce.CrossEntropyPallasTpuConfig(block_rows=16, block_v=256)
+    return configs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explicit_config_reaches_the_kernel_and_matches_reference(backend):
+    configs = _small_configs()
+    if backend not in configs:
+        pytest.skip(f"{backend} takes no kernel config")
+    config = configs[backend]
+    logits, targets = _inputs(37, 1000, jnp.bfloat16, seed=21, ignore_every=4)
+    kwargs = dict(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=20.0)
+    (decision,) = ops.explain(lambda x, t: ops.cross_entropy(x, t, backend=backend, config=config, **kwargs), logits, targets).decisions
+    assert decision.config == f"{config} [explicit]"
+    _assert_conforms(backend, logits, targets, config=config, reduction="none", **kwargs)
+
+
+def test_triton_config_reaches_the_kernels_through_the_op():
+    """grad_in_forward changes which kernels run: one launch for forward+backward instead of two."""
+    if "triton" not in BACKENDS:
+        pytest.skip("the Triton backend does not run here")
+    from forgeax.kernels.triton import cross_entropy as triton_ce
+
+    logits, targets = _inputs(4, 100, jnp.float32, seed=25)
+
+    def launches(config):
+        fn = jax.value_and_grad(lambda x: ops.cross_entropy(x, targets, backend="triton", config=config))
+        return str(jax.make_jaxpr(fn)(logits)).count("pure_callback")  # each interpreted launch is one callback
+
+    assert launches(None) == 2
+    assert launches(triton_ce.CrossEntropyTritonConfig(grad_in_forward=True)) == 1
+
+
+def test_config_for_another_backend_is_refused():
+    from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
+
+    logits, targets = _inputs(4, 100, jnp.float32, seed=22)
+    with pytest.raises(interface.UnsupportedError, match="config"):
+        ops.cross_entropy(logits, targets, backend="xla", config=tpu_ce.CrossEntropyPallasTpuConfig())
+
+
+def test_bad_config_values_raise_errors_that_name_the_field():
+    from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
+
+    cases = [
+        (lambda: tpu_ce.CrossEntropyPallasTpuConfig(block_rows=20), "block_rows"),
+        (lambda: tpu_ce.CrossEntropyPallasTpuConfig(block_v=1000), "block_v"),
+        (lambda: tpu_ce.CrossEntropyPallasTpuConfig(block_v=0), "block_v"),
+    ]
+    try:
+        from forgeax.kernels.triton import cross_entropy as triton_ce
+    except ImportError:
+        triton_ce = None
+    if triton_ce is not None:
+        cases += [
+            (lambda: triton_ce.CrossEntropyTritonConfig(block_v=3000), "block_v"),
+            (lambda: triton_ce.CrossEntropyTritonConfig(num_warps=3), "num_warps"),
+        ]
+    for make, field in cases:
+        with pytest.raises(ValueError, match=rf"\.{field}:"):
+            make()
 
 
 def test_targets_get_no_gradient():
@@ -211,9 +292,9 @@ def test_triton_refuses_vocab_parallel_with_a_reason():
     if isinstance(impl, str):
         pytest.skip(impl)
     logits, targets = _inputs(2, 64, jnp.float32, seed=19)
-    reason = impl.supports(logits, targets, label_smoothing=0.0, ignore_index=IGNORE, reduction="mean", z_loss=0.0, logit_soft_cap=None, axis_name="vocab")
+    reason = impl.supports(logits, targets, spec=LossSpec(axis_name="vocab"))
     assert reason is not None and "axis_name" in reason
-    assert impl.supports(logits, targets, label_smoothing=0.0, ignore_index=IGNORE, reduction="mean", z_loss=0.0, logit_soft_cap=None, axis_name=None) is None
+    assert impl.supports(logits, targets, spec=LossSpec()) is None
 
 
 def test_bad_inputs_raise_errors_that_name_the_argument():

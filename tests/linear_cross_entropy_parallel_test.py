@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import conformance
 from forgeax import ops
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.xla import linear_cross_entropy as reference
 
 DEVICES = 8
@@ -70,7 +71,7 @@ def _loss_and_grads(fn, x, w, b, t, cot):
 
 
 def _assert_equal_to_reference(got, x, w, b, t, cot, tol, **kwargs):
-    ref = lambda x, w, b, t: reference.linear_cross_entropy(x, w, t, bias=b, **kwargs)  # noqa: E731
+    ref = lambda x, w, b, t: reference.linear_cross_entropy(x, w, t, b, spec=LossSpec(**kwargs))  # noqa: E731
     up = lambda a: a.astype(jnp.float32)  # noqa: E731
     out, grads = got
     want, want_grads = _loss_and_grads(ref, up(x), up(w), up(b), t, cot)

@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 
 import conformance
+from forgeax import core as interface
 from forgeax import ops
 from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.xla import linear_cross_entropy as reference
-from forgeax.ops import interface
 
 BACKENDS = conformance.runnable_backends("linear_cross_entropy")
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -48,8 +49,27 @@ def _public(x, w, t, b, *, backend=None, **kwargs):
     return ops.linear_cross_entropy(x, w, t, bias=b, backend=backend, **kwargs)
 
 
-def _reference(x, w, t, b, **kwargs):
-    return reference.linear_cross_entropy(x, w, t, bias=b, **kwargs)
+def _small_configs():
+    """A non-default config per kernel backend (narrower tiles than the heuristic's)."""
+    configs = {}
+    if "triton" in BACKENDS:
+        from forgeax.kernels.triton import linear_cross_entropy as triton_lce
+
+        configs["triton"] = triton_lce.LinearCrossEntropyTritonConfig(block_v=256, num_warps=1)
+    if "pallas_gpu" in BACKENDS:
+        from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
+
+        configs["pallas_gpu"] = gpu_lce.LinearCrossEntropyPallasGpuConfig(block_n=64, stages=2)
+    if "pallas_tpu" in BACKENDS:
+        from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
+
+        configs["pallas_tpu"] = tpu_ce.CrossEntropyPallasTpuConfig(block_rows=16, block_v=256)
+    return configs
+
+
+def _reference(x, w, t, b=None, *, chunk_size=None, **options):
+    """The XLA reference with the op's keyword options (it takes them as one LossSpec)."""
+    return reference.linear_cross_entropy(x, w, t, b, spec=LossSpec(**options), chunk_size=chunk_size)
 
 
 def _inputs(tokens, hidden, vocab, dtype, seed, *, bias=True, ignore_every=0, w_dtype=None):
@@ -74,10 +94,11 @@ def _semantics_dtype(backend):
     return jnp.bfloat16 if backend == "pallas_gpu" else jnp.float32
 
 
-def _assert_conforms(backend, x, w, t, b, *, seed=0, tolerance=None, **kwargs):
+def _assert_conforms(backend, x, w, t, b, *, seed=0, tolerance=None, config=None, **kwargs):
     """conformance.assert_conforms: f32 loss, gradients w.r.t. x, W (and b)."""
+    public = (lambda *a, **k: _public(*a, config=config, **k)) if config is not None else _public
     case = conformance.Case(
-        f"linear_cross_entropy{tuple(x.shape)}x{tuple(w.shape)}", _public, _reference, (x, w, t, b), kwargs,
+        f"linear_cross_entropy{tuple(x.shape)}x{tuple(w.shape)}", public, _reference, (x, w, t, b), kwargs,
         diff_argnums=(0, 1) if b is None else (0, 1, 3), output_dtype=jnp.float32,
         forward_tolerance=FORWARD_TOLERANCE[jnp.dtype(x.dtype)],
     )
@@ -194,7 +215,7 @@ def test_jit_grad_vmap_checkpoint_match_reference(backend):
     x, w, t, b = _inputs((3, 5), 64, 1000, dtype, seed=16, ignore_every=4)
     kwargs = dict(label_smoothing=0.1, z_loss=1e-3)
     ours = jax.checkpoint(lambda x, w, t: ops.linear_cross_entropy(x, w, t, bias=b, backend=backend, chunk_size=2, **kwargs))
-    ref = lambda x, w, t: reference.linear_cross_entropy(x, w, t, bias=b, **kwargs)  # noqa: E731
+    ref = lambda x, w, t: _reference(x, w, t, b, **kwargs)  # noqa: E731
     # vmap over x and targets (W shared, so each batch element has its own dW), then over x only.
     for t_axis, tt in ((0, t), (None, t[0])):
         got = jax.jit(jax.vmap(jax.value_and_grad(ours, argnums=(0, 1)), in_axes=(0, None, t_axis)))(x, w, tt)
@@ -203,9 +224,9 @@ def test_jit_grad_vmap_checkpoint_match_reference(backend):
             assert conformance.relative_error(g, r) < tol, t_axis
     # vmap of the per-token loss, and a gradient through a vmapped sum-reduced loss.
     per_token = jax.jit(jax.vmap(lambda x, t: ops.linear_cross_entropy(x, w, t, backend=backend, reduction="none", chunk_size=2)))(x, t)
-    assert conformance.relative_error(per_token, reference.linear_cross_entropy(x, w, t, reduction="none")) < tol
+    assert conformance.relative_error(per_token, _reference(x, w, t, reduction="none")) < tol
     g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda a, c: ops.linear_cross_entropy(a, w, c, backend=backend, reduction="sum", chunk_size=4))(x, t))))(w)
-    want_g = jax.jit(jax.grad(lambda w: reference.linear_cross_entropy(x, w, t, reduction="sum")))(w)
+    want_g = jax.jit(jax.grad(lambda w: _reference(x, w, t, reduction="sum")))(w)
     assert conformance.relative_error(g, want_g) < tol
 
 
@@ -229,14 +250,62 @@ def test_default_chunk_size():
     assert chunked.default_chunk_size(100, 1 << 20, 4) == 100
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explicit_config_reaches_the_kernel_and_matches_reference(backend):
+    configs = _small_configs()
+    if backend not in configs:
+        pytest.skip(f"{backend} takes no kernel config")
+    config = configs[backend]
+    x, w, t, b = _inputs(21, 64, 1000, jnp.bfloat16, seed=23, ignore_every=4)
+    kwargs = dict(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=20.0, chunk_size=8)
+    fn = lambda x, w, t: ops.linear_cross_entropy(x, w, t, bias=b, backend=backend, config=config, **kwargs)  # noqa: E731
+    (decision,) = ops.explain(fn, x, w, t).decisions
+    assert decision.config == f"{config} [explicit]"
+    _assert_conforms(backend, x, w, t, b, config=config, reduction="none", **kwargs)
+
+
+def test_config_for_another_backend_is_refused():
+    from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
+
+    x, w, t, _ = _inputs(4, 8, 16, jnp.float32, seed=24, bias=False)
+    for backend in ("xla", "xla_chunked"):
+        with pytest.raises(interface.UnsupportedError, match="config"):
+            ops.linear_cross_entropy(x, w, t, backend=backend, config=tpu_ce.CrossEntropyPallasTpuConfig())
+
+
+def test_bad_config_values_raise_errors_that_name_the_field():
+    from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
+
+    cases = [
+        (lambda: gpu_lce.LinearCrossEntropyPallasGpuConfig(block_n=96), "block_n"),
+        (lambda: gpu_lce.LinearCrossEntropyPallasGpuConfig(warpgroups=3), "warpgroups"),
+        (lambda: gpu_lce.LinearCrossEntropyPallasGpuConfig(stages=1), "stages"),
+        (lambda: gpu_lce.LinearCrossEntropyPallasGpuConfig(warpgroups=2, stages=8), "stages"),  # over the SMEM
+    ]
+    try:
+        from forgeax.kernels.triton import linear_cross_entropy as triton_lce
+    except ImportError:
+        triton_lce = None
+    if triton_lce is not None:
+        cases += [
+            (lambda: triton_lce.LinearCrossEntropyTritonConfig(block_v=100), "block_v"),
+            (lambda: triton_lce.LinearCrossEntropyTritonConfig(num_warps=0), "num_warps"),
+        ]
+    for make, field in cases:
+        with pytest.raises(ValueError, match=rf"\.{field}:"):
+            make()
+    # Every candidate a tuner would walk is a valid config.
+    assert gpu_lce.candidate_configs(None, None, None, spec=LossSpec())
+
+
 def test_vocab_parallel_is_refused_by_triton_with_a_reason():
     impl = interface.OPS["linear_cross_entropy"].implementation("triton")
     if isinstance(impl, str):
         pytest.skip(impl)
     x, w, t, _ = _inputs(2, 64, 100, jnp.float32, seed=19, bias=False)
-    reason = impl.supports(x, w, t, bias=None, axis_name="vocab")
+    reason = impl.supports(x, w, t, None, spec=LossSpec(axis_name="vocab"), chunk_size=None)
     assert reason is not None and "axis_name" in reason
-    assert impl.supports(x, w, t, bias=None, axis_name=None) is None
+    assert impl.supports(x, w, t, None, spec=LossSpec(), chunk_size=None) is None
 
 
 def test_bad_inputs_raise_errors_that_name_the_argument():

@@ -27,6 +27,7 @@ if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes"
 import jax
 import jax.numpy as jnp
 
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.triton import cross_entropy as triton_ce
 
 CUSTOM_CALL = "triton_kernel_call"
@@ -51,7 +52,7 @@ def _lower_cuda(fn, *args) -> str:
 def test_forward_and_backward_lower_to_triton_kernels_for_cuda(shape, dtype, options):
     logits = jax.ShapeDtypeStruct(shape, dtype)
     targets = jax.ShapeDtypeStruct(shape[:-1], jnp.int32)
-    loss = lambda x, t: triton_ce.cross_entropy(x, t, **options)  # noqa: E731
+    loss = lambda x, t: triton_ce.cross_entropy(x, t, spec=LossSpec(**options))  # noqa: E731
 
     forward = _lower_cuda(loss, logits, targets)
     assert forward.count(CUSTOM_CALL) == 1, forward[:2000]
@@ -69,10 +70,10 @@ def test_gradient_in_forward_variant_and_explicit_configs_lower():
     logits = jax.ShapeDtypeStruct((8192, 128256), jnp.bfloat16)
     targets = jax.ShapeDtypeStruct((8192,), jnp.int32)
     for config, kernels in (
-        (triton_ce.CrossEntropyConfig(grad_in_forward=True), 1),  # loss + gradient in one kernel
-        (triton_ce.CrossEntropyConfig(block_v=4096, num_warps=8), 2),
-        (triton_ce.CrossEntropyConfig(block_v=16384, num_warps=16), 2),
+        (triton_ce.CrossEntropyTritonConfig(grad_in_forward=True), 1),  # loss + gradient in one kernel
+        (triton_ce.CrossEntropyTritonConfig(block_v=4096, num_warps=8), 2),
+        (triton_ce.CrossEntropyTritonConfig(block_v=16384, num_warps=16), 2),
     ):
-        fn = jax.value_and_grad(lambda x, t: triton_ce.cross_entropy(x, t, label_smoothing=0.1, config=config))
+        fn = jax.value_and_grad(lambda x, t: triton_ce.cross_entropy(x, t, spec=LossSpec(label_smoothing=0.1), config=config))
         module = _lower_cuda(fn, logits, targets)
         assert module.count(CUSTOM_CALL) == kernels, config

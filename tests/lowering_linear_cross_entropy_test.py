@@ -26,6 +26,7 @@ if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes"
 import jax
 import jax.numpy as jnp
 
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.triton import linear_cross_entropy as triton_lce
 
 CUSTOM_CALL = "triton_kernel_call"
@@ -43,7 +44,7 @@ def _args(dtype=jnp.bfloat16, bias=False):
 
 @pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)], ids=str)
 def test_forward_and_backward_lower_to_a_chunk_loop_for_cuda(options):
-    loss = lambda x, w, t: triton_lce.LINEAR_CROSS_ENTROPY.fn(x, w, t, **options)  # noqa: E731
+    loss = lambda x, w, t: triton_lce.LINEAR_CROSS_ENTROPY.fn(x, w, t, spec=LossSpec(**options))  # noqa: E731
 
     forward = _lower_cuda(loss, *_args())
     assert forward.count(CUSTOM_CALL) == 1 and "stablehlo.while" in forward, forward[:2000]
@@ -58,7 +59,7 @@ def test_forward_and_backward_lower_to_a_chunk_loop_for_cuda(options):
 
 def test_per_token_loss_with_bias_lowers_two_kernels():
     def fn(x, w, t, b):
-        out, pull = jax.vjp(lambda *a: triton_lce.LINEAR_CROSS_ENTROPY.fn(a[0], a[1], t, bias=a[2], reduction="none"), x, w, b)
+        out, pull = jax.vjp(lambda *a: triton_lce.LINEAR_CROSS_ENTROPY.fn(a[0], a[1], t, a[2], spec=LossSpec(reduction="none")), x, w, b)
         return pull(out)
 
     module = _lower_cuda(fn, *_args(bias=True))

@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 
 import conformance
+from forgeax import core as interface
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
 from forgeax.kernels.xla import cross_entropy as reference
-from forgeax.ops import interface
 
 CUSTOM_CALL = "@tpu_custom_call"
 
@@ -56,13 +57,17 @@ def _kernel_names(text: str) -> list[str]:
     return sorted(re.findall(r'kernel_name = "(\w+)"', text))
 
 
+def _loss(x, t, config=None, **options):
+    return tpu_ce.cross_entropy(x, t, spec=LossSpec(**options), config=config)
+
+
 def _specs(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape[:-1], jnp.int32)
 
 
 @pytest.mark.parametrize("shape,dtype,options", CASES, ids=str)
 def test_forward_lowers_to_one_mosaic_kernel(shape, dtype, options):
-    text = _lower_tpu(lambda x, t: tpu_ce.cross_entropy(x, t, **options), *_specs(shape, dtype))
+    text = _lower_tpu(lambda x, t: _loss(x, t, **options), *_specs(shape, dtype))
     assert text.count(CUSTOM_CALL) == 1, text[:2000]
     assert _kernel_names(text) == ["_fwd_kernel"]
 
@@ -70,7 +75,7 @@ def test_forward_lowers_to_one_mosaic_kernel(shape, dtype, options):
 @pytest.mark.parametrize("shape,dtype,options", CASES, ids=str)
 def test_backward_lowers_to_the_forward_and_backward_kernels(shape, dtype, options):
     def backward(x, t):
-        out, pull = jax.vjp(lambda y: tpu_ce.cross_entropy(y, t, **options), x)
+        out, pull = jax.vjp(lambda y: _loss(y, t, **options), x)
         return pull(jnp.ones_like(out))[0]
 
     text = _lower_tpu(backward, *_specs(shape, dtype))
@@ -84,7 +89,7 @@ def test_vmapped_gradient_lowers_to_one_launch_per_kernel():
     x, t = _specs((3, 33, 1000), jnp.bfloat16)
 
     def loss(x, t):
-        return jnp.sum(jax.vmap(lambda a, b: tpu_ce.cross_entropy(a, b, label_smoothing=0.1))(x, t))
+        return jnp.sum(jax.vmap(lambda a, b: _loss(a, b, label_smoothing=0.1))(x, t))
 
     text = _lower_tpu(jax.grad(loss), x, t)
     assert text.count(CUSTOM_CALL) == 2
@@ -96,7 +101,7 @@ def test_vmapped_gradient_lowers_to_one_launch_per_kernel():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_tiling_obeys_the_tpu_block_rule(rows, vocab, dtype):
     with interface.interpret_mode(False):
-        t = tpu_ce.tiling(rows, vocab, dtype)
+        t = tpu_ce.tiling(rows, vocab, dtype, tpu_ce.heuristic_config(None, None, spec=LossSpec()))
     align = 8 if jnp.dtype(dtype).itemsize == 4 else 16
     assert 1 <= t.block_rows <= rows and (t.block_rows == rows or t.block_rows % align == 0)
     assert 1 <= t.block_v <= vocab and (t.block_v == vocab or t.block_v % 128 == 0)
@@ -105,17 +110,33 @@ def test_tiling_obeys_the_tpu_block_rule(rows, vocab, dtype):
 
 def test_supports_refuses_with_reasons():
     x, t = _specs((8, 1000), jnp.bfloat16)
-    options = dict(label_smoothing=0.0, ignore_index=-100, reduction="mean", z_loss=0.0, logit_soft_cap=None)
-    assert tpu_ce.CROSS_ENTROPY.supports(x, t, axis_name=None, **options) is None
-    parallel = tpu_ce.CROSS_ENTROPY.supports(x, t, axis_name="vocab", **options)
+    assert tpu_ce.CROSS_ENTROPY.supports(x, t, spec=LossSpec()) is None
+    parallel = tpu_ce.CROSS_ENTROPY.supports(x, t, spec=LossSpec(axis_name="vocab"))
     assert parallel is not None and "axis_name" in parallel
-    f64 = tpu_ce.CROSS_ENTROPY.supports(jax.ShapeDtypeStruct((8, 1000), jnp.float64), t, axis_name=None, **options)
+    f64 = tpu_ce.CROSS_ENTROPY.supports(jax.ShapeDtypeStruct((8, 1000), jnp.float64), t, spec=LossSpec())
     assert f64 is not None and "float64" in f64
 
 
-def test_compiled_tiling_matches_reference_in_the_interpreter(monkeypatch):
+def test_explicit_config_sets_the_kernel_grids():
+    """The config's tile reaches both kernels (their pallas_call grids), and off the interpreter
+    the heuristic's is the default one."""
+    x, t = _specs((300, 50257), jnp.bfloat16)
+
+    def grids(config):
+        def backward(x, t):
+            out, pull = jax.vjp(lambda y: _loss(y, t, config=config, label_smoothing=0.1), x)
+            return pull(jnp.ones_like(out))[0]
+
+        with interface.interpret_mode(False):
+            return re.findall(r"grid=\((\d+), (\d+)\)", str(jax.make_jaxpr(backward)(x, t)))
+
+    assert grids(None) == [("3", "13")] * 2  # 128 rows x 4096 lanes, forward and backward
+    assert grids(tpu_ce.CrossEntropyPallasTpuConfig(block_rows=32, block_v=1024)) == [("10", "50")] * 2
+
+
+def test_compiled_tiling_matches_reference_in_the_interpreter():
     """The TPU block width (4096) and several row blocks (ragged rows and vocabulary), in the interpreter."""
-    monkeypatch.setattr(tpu_ce, "_INTERPRET_BLOCK_V", tpu_ce._BLOCK_V)
+    config = tpu_ce.CrossEntropyPallasTpuConfig()  # the compiled-TPU tile, not the interpreter's wider one
     rng = np.random.default_rng(0)
     rows, vocab = 300, 9000  # 3 row blocks of 128 (16-aligned for bf16), 3 vocab blocks of 4096
     logits = jnp.asarray((3.0 * rng.standard_normal((rows, vocab), np.float32)).astype(jnp.bfloat16))
@@ -126,11 +147,11 @@ def test_compiled_tiling_matches_reference_in_the_interpreter(monkeypatch):
     cot = jnp.asarray(rng.standard_normal((rows,), np.float32))
     kwargs = dict(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=20.0, reduction="none")
     with interface.interpret_mode():
-        t = tpu_ce.tiling(rows, vocab, logits.dtype)
+        t = tpu_ce.tiling(rows, vocab, logits.dtype, config)
         assert (t.block_rows, t.block_v, t.grid) == (128, 4096, (3, 3))
-        out, pull = jax.vjp(lambda x: tpu_ce.cross_entropy(x, targets, **kwargs), logits)
+        out, pull = jax.vjp(lambda x: _loss(x, targets, config=config, **kwargs), logits)
         grad = pull(cot)[0]
-    want, ref_pull = jax.vjp(lambda x: reference.cross_entropy(x, targets, **kwargs), logits.astype(jnp.float32))
+    want, ref_pull = jax.vjp(lambda x: reference.cross_entropy(x, targets, spec=LossSpec(**kwargs)), logits.astype(jnp.float32))
     assert conformance.relative_error(out, want) < 1e-5
     assert grad.dtype == jnp.bfloat16 and conformance.relative_error(grad, ref_pull(cot)[0]) < 1e-2
     assert float(out[1]) == 0.0 and bool(jnp.all(grad[1] == 0))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 import conformance
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.pallas.tpu import linear_cross_entropy as tpu_lce
 
 CUSTOM_CALL = "@tpu_custom_call"
@@ -44,7 +45,7 @@ def _args(n, h, v, dtype=jnp.bfloat16, bias=False):
 
 @pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)], ids=str)
 def test_forward_and_backward_lower_to_a_chunk_loop_for_tpu(options):
-    loss = lambda x, w, t: tpu_lce.LINEAR_CROSS_ENTROPY.fn(x, w, t, **options)  # noqa: E731
+    loss = lambda x, w, t: tpu_lce.LINEAR_CROSS_ENTROPY.fn(x, w, t, spec=LossSpec(**options))  # noqa: E731
 
     # Forward only: the loss kernel, once, inside the loop.
     forward = _lower_tpu(loss, *_args(N, H, V))
@@ -66,8 +67,8 @@ def test_odd_shape_per_token_loss_with_bias_lowers():
 
     def fn(x, w, t, b):
         out, pull = jax.vjp(
-            lambda *a: tpu_lce.LINEAR_CROSS_ENTROPY.fn(a[0], a[1], t, bias=a[2], reduction="none", chunk_size=128,
-                                                       label_smoothing=0.1), x, w, b)
+            lambda *a: tpu_lce.LINEAR_CROSS_ENTROPY.fn(a[0], a[1], t, a[2], spec=LossSpec(reduction="none", label_smoothing=0.1),
+                                                       chunk_size=128), x, w, b)
         return pull(out)
 
     module = _lower_tpu(fn, *_args(n, h, v, jnp.float16, bias=True))
@@ -79,8 +80,8 @@ def test_odd_shape_per_token_loss_with_bias_lowers():
 
 def test_supports_refuses_with_reasons():
     x, w, t = _args(8, 64, 1000)
-    assert tpu_lce.LINEAR_CROSS_ENTROPY.supports(x, w, t, bias=None, axis_name=None) is None
-    parallel = tpu_lce.LINEAR_CROSS_ENTROPY.supports(x, w, t, bias=None, axis_name="vocab")
+    assert tpu_lce.LINEAR_CROSS_ENTROPY.supports(x, w, t, None, spec=LossSpec()) is None
+    parallel = tpu_lce.LINEAR_CROSS_ENTROPY.supports(x, w, t, None, spec=LossSpec(axis_name="vocab"))
     assert parallel is not None and "axis_name" in parallel
-    f64 = tpu_lce.LINEAR_CROSS_ENTROPY.supports(x, jax.ShapeDtypeStruct((64, 1000), jnp.float64), t, bias=None, axis_name=None)
+    f64 = tpu_lce.LINEAR_CROSS_ENTROPY.supports(x, jax.ShapeDtypeStruct((64, 1000), jnp.float64), t, None, spec=LossSpec())
     assert f64 is not None and "float64" in f64

@@ -29,7 +29,8 @@ The logits of a chunk are f32 (`ChunkKernels.f32_logits`, the XLA kernels), or
 stored in the matmul dtype after f32 accumulation (the Triton kernels, which
 then overwrite them with the gradient: half the bytes, twice the chunk).
 Tokens are padded to a multiple of C with ignored targets (zero loss, zero
-gradient). `axis_name` (vocabulary-parallel, weight and bias sharded over V):
+gradient). The options arrive as one LossSpec (kernels/common/losses.py) and
+reach the kernels unchanged, with the backend's kernel config. `axis_name` (vocabulary-parallel, weight and bias sharded over V):
 the kernels combine their row statistics with collectives, and each chunk's
 dx (a partial sum over the local vocabulary) is psum-ed, unless x is varying
 along the axis (or vma checking is off, when shard_map's transpose psums it).
@@ -39,12 +40,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from forgeax.core.config import KernelConfig
+from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
 
 # The default chunk keeps its logits under this many bytes: at Llama-3's
 # V=128256, 2048 tokens of bf16 logits (Triton: the gradient overwrites them)
@@ -66,29 +70,28 @@ def default_chunk_size(tokens: int, vocab: int, itemsize: int = 4) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """Static options of one call (hashable: a custom_vjp nondiff argument)."""
+class _Plan:
+    """The static facts of one call's loop (hashable: a custom_vjp nondiff argument)."""
 
-    label_smoothing: float
-    z_loss: float
-    soft_cap: float  # 0.0: no cap
-    axis_name: Hashable | None
-    psum_dx: bool  # psum each chunk's dx over axis_name
-    psum_ct: bool  # psum the incoming cotangent over axis_name (shard_map with check_vma=False)
+    spec: LossSpec
+    config: KernelConfig | None  # the backend's kernel config, handed to its ChunkKernels
     chunk: int
+    psum_dx: bool  # psum each chunk's dx over spec.axis_name
+    psum_ct: bool  # psum the incoming cotangent over spec.axis_name (shard_map with check_vma=False)
     kernels: ChunkKernels
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkKernels:
     """Per-chunk cross-entropy on f32 logits [C, V_local] and int32 targets [C]
-    (global class ids; -1 marks an ignored token, already mapped by the shell).
+    (global class ids; -1 marks an ignored token, already mapped by the shell);
+    `spec` is the call's LossSpec, `config` the backend's kernel config (None without one).
 
-      loss(logits, t, opts) -> (loss [C] f32, 0 where ignored; lse [C] f32)
-      loss_and_grad(logits, t, opts, dtype) -> (loss, lse, g [C, V_local] in dtype)
+      loss(logits, t, spec, config) -> (loss [C] f32, 0 where ignored; lse [C] f32)
+      loss_and_grad(logits, t, spec, config, dtype) -> (loss, lse, g [C, V_local] in dtype)
           g = d loss_row / d logits (cotangent 1 per row, 0 on ignored rows)
-      grad(logits, t, lse, scale [C] f32, opts, dtype) -> scale[:, None] * g
-    With opts.axis_name the statistics are global (the same on every device).
+      grad(logits, t, lse, scale [C] f32, spec, config, dtype) -> scale[:, None] * g
+    With spec.axis_name the statistics are global (the same on every device).
     """
 
     loss: Callable[..., Any]
@@ -139,7 +142,7 @@ def _loss_loop(x2, w, b, t, opts):
 
     def body(_, chunk):
         xc, tc = chunk
-        return None, opts.kernels.loss(_logits(xc, w, b, opts), tc, opts)
+        return None, opts.kernels.loss(_logits(xc, w, b, opts), tc, opts.spec, opts.config)
 
     _, (loss, lse) = lax.scan(body, None, (xs, ts))
     return _rows(loss, x2.shape[0]), _rows(lse, x2.shape[0])
@@ -183,12 +186,12 @@ def _grad_loop(x2, w, b, t, opts, lse=None, scale=None):
         xc, tc = chunk[:2]
         logits = _logits(xc, w, b, opts)
         if lse is None:
-            loss, _, g = opts.kernels.loss_and_grad(logits, tc, opts, dt)
+            loss, _, g = opts.kernels.loss_and_grad(logits, tc, opts.spec, opts.config, dt)
         else:
-            loss, g = None, opts.kernels.grad(logits, tc, chunk[2], chunk[3], opts, dt)
+            loss, g = None, opts.kernels.grad(logits, tc, chunk[2], chunk[3], opts.spec, opts.config, dt)
         dx = lax.dot_general(g, w.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if opts.psum_dx:
-            dx = lax.psum(dx, opts.axis_name)
+            dx = lax.psum(dx, opts.spec.axis_name)
         # dW += x_c^T @ g: f32 accumulation inside the matmul, one rounding per chunk when
         # the accumulator is bf16/f16. Written as `acc + dot(out=acc dtype)` so that XLA GPU
         # fuses the add into the cuBLAS call (beta=1, in place): adding an f32 product
@@ -209,7 +212,7 @@ def _scaled(g, s, like):
 
 def _cotangent(ct, opts):
     ct = ct.astype(jnp.float32)
-    return lax.psum(ct, opts.axis_name) if opts.psum_ct else ct
+    return lax.psum(ct, opts.spec.axis_name) if opts.psum_ct else ct
 
 
 # ----------------------------------------------------------------------------- sum (and mean)
@@ -270,19 +273,21 @@ def _varying(a) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()) or ())
 
 
-def linear_cross_entropy_with(kernels: ChunkKernels) -> Callable[..., Any]:
-    """The op's function (forgeax.ops.linear_cross_entropy's contract) over `kernels`."""
+def linear_cross_entropy_with(kernels: ChunkKernels, heuristic_config: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """The backend function (the op's contract, options in a LossSpec) over `kernels`:
+    fn(x, weight, targets, bias=None, *, spec, chunk_size=None, config=None); config None takes
+    `heuristic_config(x, weight, targets, bias, spec=, chunk_size=)` (the backend's own)."""
 
-    def linear_cross_entropy(
-        x, weight, targets, *, bias=None, label_smoothing=0.0, ignore_index=-100, reduction="mean", z_loss=0.0,
-        logit_soft_cap=None, axis_name=None, chunk_size=None,
-    ):
+    def linear_cross_entropy(x, weight, targets, bias=None, *, spec: LossSpec = LossSpec(), chunk_size=None, config=None):
+        if config is None and heuristic_config is not None:
+            config = heuristic_config(x, weight, targets, bias, spec=spec, chunk_size=chunk_size)
         h, v_local = weight.shape
         logit_bytes = jnp.dtype(_matmul_dtype(x, weight)).itemsize
         x2 = x.reshape(-1, h)
         t = targets.reshape(-1).astype(jnp.int32)
+        axis_name = spec.axis_name
         vocab = v_local if axis_name is None else v_local * lax.axis_size(axis_name)
-        valid = (t != ignore_index) & (t >= 0) & (t < vocab)
+        valid = valid_targets(t, vocab, spec)
         psum_dx = psum_ct = False
         if axis_name is not None:
             # With vma checking on, a sharded weight varies along the axis; x that
@@ -293,17 +298,12 @@ def linear_cross_entropy_with(kernels: ChunkKernels) -> Callable[..., Any]:
             names = frozenset(_axis_names(axis_name))
             checked = names <= _varying(weight)
             psum_dx, psum_ct = checked and not (names & _varying(x)), not checked
-        opts = Options(
-            float(label_smoothing), float(z_loss), float(logit_soft_cap or 0.0), axis_name, psum_dx, psum_ct,
-            int(chunk_size or default_chunk_size(x2.shape[0], v_local, 4 if kernels.f32_logits else logit_bytes)), kernels,
-        )
+        chunk = int(chunk_size or default_chunk_size(x2.shape[0], v_local, 4 if kernels.f32_logits else logit_bytes))
+        plan = _Plan(spec, config, chunk, psum_dx, psum_ct, kernels)
         t = jnp.where(valid, t, -1)
-        if reduction == "none":
-            return _per_token(x2, weight, bias, t, opts).reshape(targets.shape)
-        total = _summed(x2, weight, bias, t, opts)
-        if reduction == "sum":
-            return total
-        return total / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+        if spec.reduction == "none":
+            return _per_token(x2, weight, bias, t, plan).reshape(targets.shape)
+        return reduce_loss(_summed(x2, weight, bias, t, plan), valid, spec.reduction)
 
     return linear_cross_entropy
 
@@ -311,10 +311,10 @@ def linear_cross_entropy_with(kernels: ChunkKernels) -> Callable[..., Any]:
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def supports_single_device(x, weight, targets, *, axis_name=None, **options) -> str | None:
+def supports_single_device(x, weight, targets, bias=None, *, spec: LossSpec = LossSpec(), **options) -> str | None:
     """`supports` of the kernel backends built on this loop (no vocabulary-parallel path)."""
-    del targets, options
-    if axis_name is not None:
+    del targets, bias, options
+    if spec.axis_name is not None:
         return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
     for name, a in (("x", x), ("weight", weight)):
         if jnp.dtype(a.dtype) not in _KERNEL_DTYPES:

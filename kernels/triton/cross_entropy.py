@@ -18,7 +18,7 @@ Kernels (the row math lives once, in the `_row_*` helpers):
     an L2 hit, and the unscaled gradient (s = 1) is stored for the backward,
     which then only scales it by the cotangent.
 
-Two ways to differentiate (`CrossEntropyConfig.grad_in_forward`):
+Two ways to differentiate (`CrossEntropyTritonConfig.grad_in_forward`):
   * False (default): forward = `_loss_kernel`, residuals (logits, lse);
     backward = `_grad_kernel`. HBM traffic for fwd+bwd: read logits twice and
     write the gradient once, the floor; a forward alone reads logits once.
@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.losses import reduce_loss
+from forgeax.core.config import KernelConfig
+from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
 from forgeax.core.registry import Implementation
@@ -151,52 +152,64 @@ def _loss_grad_kernel(X, T, LOSS, LSE, DX, ROWS: tl.constexpr, V: tl.constexpr, 
 
 # ----------------------------------------------------------------------------- configs
 
+_WARPS = (1, 2, 4, 8, 16, 32)
 
-@dataclasses.dataclass(frozen=True)
-class CrossEntropyConfig:
-    """Launch tunables; see the module docstring for `grad_in_forward`.
+
+def check_row_launch(config) -> None:
+    """Validates a row-kernel launch (`block_v`, `num_warps`), naming the field."""
+    name = type(config).__name__
+    if config.block_v < 16 or config.block_v & (config.block_v - 1):
+        raise ValueError(f"{name}.block_v: expected a power of two >= 16, got {config.block_v}")
+    if config.num_warps not in _WARPS:
+        raise ValueError(f"{name}.num_warps: expected one of {_WARPS}, got {config.num_warps}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CrossEntropyTritonConfig(KernelConfig):
+    """Launch of the row kernels; see the module docstring for `grad_in_forward`.
 
     block_v: vocabulary elements per loop step (a power of two; capped at the
       next power of two >= V). num_warps: upper bound on warps per program
       (fewer for short rows, so each thread keeps >= 8 elements per step).
-    Defaults measured on an H200 at (8192, 128256) bf16, fwd+bwd: 8192 x 8
-    warps 1.64-1.67 ms (2.5x XLA's 4.12 ms, 0.93 of the 3-pass floor by
-    tools/bench.py); 2048 x 2 1.67, 4096 x 4 1.69, 8192 x 16 1.73 ms;
-    grad_in_forward=True 2.9-3.2 ms (the extra scaling pass). With a soft cap
-    (+ label smoothing, z-loss) the kernels are compute-bound: 2.98 ms at the
-    default, 2.78 ms at 2048 x 4 (XLA 7.85 ms).
+    The defaults were the fastest forward+backward at Llama-3's (8192, 128256)
+    bf16 on an H200 (2048 x 2, 4096 x 4 and 8192 x 16 warps within 4%;
+    grad_in_forward about 1.8x slower: its extra scaling pass).
     """
 
     block_v: int = 8192
     num_warps: int = 8
     grad_in_forward: bool = False
 
-    def __post_init__(self) -> None:
-        if self.block_v < 16 or self.block_v & (self.block_v - 1):
-            raise ValueError(f"block_v: expected a power of two >= 16, got {self.block_v}")
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"num_warps: expected 1, 2, 4, 8, 16 or 32, got {self.num_warps}")
+    def validate(self) -> None:
+        super().validate()
+        check_row_launch(self)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    label_smoothing: float
-    z_loss: float
-    soft_cap: float  # 0.0: no cap
-    config: CrossEntropyConfig
+def heuristic_block_v() -> int:
+    """The row kernels' default vocabulary block. Triton's interpreter pays per block operation,
+    not per element: there it takes 4x larger blocks (V=50257 still runs two blocks)."""
+    return 32768 if interpret_enabled() else CrossEntropyTritonConfig.block_v
 
 
-# Triton's interpreter pays per block operation, not per element: without an
-# explicit config it takes 4x larger blocks (V=50257 still runs two blocks).
-_INTERPRET_BLOCK_V = 32768
+def heuristic_config(logits, targets, *, spec: LossSpec) -> CrossEntropyTritonConfig:
+    del logits, targets, spec
+    return CrossEntropyTritonConfig(block_v=heuristic_block_v())
 
 
-def _launch(kernel, args, out_shape, rows: int, v: int, opts: _Options, aliases=None):
-    block_v = opts.config.block_v
-    if opts.config == CrossEntropyConfig() and interpret_enabled():
-        block_v = _INTERPRET_BLOCK_V
-    block_v = min(block_v, triton.next_power_of_2(v))
-    num_warps = max(1, min(opts.config.num_warps, block_v // 256))
+def candidate_configs(logits, targets, *, spec: LossSpec) -> list[CrossEntropyTritonConfig]:
+    """The launches worth timing: block_v x warps around the default, with either differentiation."""
+    del logits, targets, spec
+    return [
+        CrossEntropyTritonConfig(block_v=block_v, num_warps=warps, grad_in_forward=gif)
+        for block_v in (2048, 4096, 8192, 16384)
+        for warps in (2, 4, 8, 16)
+        for gif in (False, True)
+    ]
+
+
+def _launch(kernel, args, out_shape, rows: int, v: int, spec: LossSpec, config, aliases=None):
+    block_v = min(config.block_v, triton.next_power_of_2(v))
+    num_warps = max(1, min(config.num_warps, block_v // 256))
     # aliases: {input index: output index} written in place (GPU only; the interpreter copies).
     extra = {"input_output_aliases": aliases} if aliases and not interpret_enabled() else {}
     return triton_call(
@@ -208,60 +221,60 @@ def _launch(kernel, args, out_shape, rows: int, v: int, opts: _Options, aliases=
         num_warps=num_warps,
         num_stages=1,
         ROWS=rows, V=v, BLOCK_V=block_v,
-        CAP=opts.soft_cap, LS=opts.label_smoothing, Z_LOSS=opts.z_loss,
+        CAP=float(spec.soft_cap), LS=float(spec.label_smoothing), Z_LOSS=float(spec.z_loss),
     )
 
 
-def _loss_rows(x2, t, *, opts):
+def _loss_rows(x2, t, *, spec, config):
     rows, v = x2.shape
     row_f32 = jax.ShapeDtypeStruct((rows,), jnp.float32)
-    return _launch(_loss_kernel, (x2, t), (row_f32, row_f32), rows, v, opts)
+    return _launch(_loss_kernel, (x2, t), (row_f32, row_f32), rows, v, spec, config)
 
 
 # grad_dtype: the gradient's dtype (default the logits'); fused linear CE reads
 # f32 logits and wants the gradient in the matmul dtype.
 # in_place: the gradient overwrites the logits (same dtype; each block is read before
 # it is written, by the program that owns the row).
-def _grad_rows(x2, t, lse, scale, *, opts, grad_dtype=None, in_place=False):
+def _grad_rows(x2, t, lse, scale, *, spec, config, grad_dtype=None, in_place=False):
     rows, v = x2.shape
     dx = jax.ShapeDtypeStruct(x2.shape, grad_dtype or x2.dtype)
     aliases = {0: 0} if in_place and dx.dtype == x2.dtype else None
-    return _launch(_grad_kernel, (x2, t, lse, scale), dx, rows, v, opts, aliases)
+    return _launch(_grad_kernel, (x2, t, lse, scale), dx, rows, v, spec, config, aliases)
 
 
-def _loss_grad_rows(x2, t, *, opts, grad_dtype=None, in_place=False):
+def _loss_grad_rows(x2, t, *, spec, config, grad_dtype=None, in_place=False):
     rows, v = x2.shape
     row_f32 = jax.ShapeDtypeStruct((rows,), jnp.float32)
     dx = jax.ShapeDtypeStruct(x2.shape, grad_dtype or x2.dtype)
     aliases = {0: 2} if in_place and dx.dtype == x2.dtype else None
-    return _launch(_loss_grad_kernel, (x2, t), (row_f32, row_f32, dx), rows, v, opts, aliases)
+    return _launch(_loss_grad_kernel, (x2, t), (row_f32, row_f32, dx), rows, v, spec, config, aliases)
 
 
 # Row kernels under vmap: a batch axis folds into the rows (every argument is per row).
-def _rowwise(fn, opts, n_args, **static):
-    return fold_vmap_into_rows(functools.partial(fn, opts=opts, **static), row_args=tuple(range(n_args)))
+def _rowwise(fn, spec, config, n_args, **static):
+    return fold_vmap_into_rows(functools.partial(fn, spec=spec, config=config, **static), row_args=tuple(range(n_args)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _per_token(x2, t, opts):
-    return _rowwise(_loss_rows, opts, 2)(x2, t)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _per_token(x2, t, spec, config):
+    return _rowwise(_loss_rows, spec, config, 2)(x2, t)[0]
 
 
-def _per_token_fwd(x2, t, opts):
-    if opts.config.grad_in_forward:
-        loss, _, grad = _rowwise(_loss_grad_rows, opts, 2)(x2, t)
+def _per_token_fwd(x2, t, spec, config):
+    if config.grad_in_forward:
+        loss, _, grad = _rowwise(_loss_grad_rows, spec, config, 2)(x2, t)
         return loss, (grad, None, None)
-    loss, lse = _rowwise(_loss_rows, opts, 2)(x2, t)
+    loss, lse = _rowwise(_loss_rows, spec, config, 2)(x2, t)
     return loss, (x2, t, lse)
 
 
-def _per_token_bwd(opts, residuals, ct):
-    if opts.config.grad_in_forward:
+def _per_token_bwd(spec, config, residuals, ct):
+    if config.grad_in_forward:
         grad = residuals[0]
         dx = (grad.astype(jnp.float32) * ct[:, None]).astype(grad.dtype)
     else:
         x2, t, lse = residuals
-        dx = _rowwise(_grad_rows, opts, 4)(x2, t, lse, ct.astype(jnp.float32))
+        dx = _rowwise(_grad_rows, spec, config, 4)(x2, t, lse, ct.astype(jnp.float32))
     return dx, None  # integer targets: no cotangent
 
 
@@ -269,53 +282,48 @@ _per_token.defvjp(_per_token_fwd, _per_token_bwd)
 
 
 # ----------------------------------------------------------------------------- row functions for other ops
+# For callers that own the differentiation (the linear_cross_entropy chunk loop): `spec` is the
+# call's LossSpec (its label_smoothing, z_loss and logit_soft_cap are used), `config` any config
+# with `block_v` and `num_warps` (checked by `check_row_launch`).
 
 
-def row_options(*, label_smoothing=0.0, z_loss=0.0, logit_soft_cap=None, config: CrossEntropyConfig | None = None) -> _Options:
-    """The static options of the row functions below."""
-    return _Options(float(label_smoothing), float(z_loss), float(logit_soft_cap or 0.0), config or CrossEntropyConfig())
-
-
-def loss_rows(logits2d, targets, opts: _Options):
+def loss_rows(logits2d, targets, spec: LossSpec, config):
     """(loss [N], lse [N]) f32 of 2-D logits; targets int32 [N], -1 = ignored (loss 0)."""
-    return _rowwise(_loss_rows, opts, 2)(logits2d, targets)
+    return _rowwise(_loss_rows, spec, config, 2)(logits2d, targets)
 
 
-def loss_and_grad_rows(logits2d, targets, opts: _Options, grad_dtype=None, in_place=False):
+def loss_and_grad_rows(logits2d, targets, spec: LossSpec, config, grad_dtype=None, in_place=False):
     """(loss, lse, d loss_row / d logits in grad_dtype): one kernel, the row read twice.
 
     in_place: the gradient is written over `logits2d` when the dtypes match
     (XLA copies the logits first if they are still live).
     """
-    return _rowwise(_loss_grad_rows, opts, 2, grad_dtype=grad_dtype, in_place=in_place)(logits2d, targets)
+    return _rowwise(_loss_grad_rows, spec, config, 2, grad_dtype=grad_dtype, in_place=in_place)(logits2d, targets)
 
 
-def grad_rows(logits2d, targets, lse, scale, opts: _Options, grad_dtype=None, in_place=False):
+def grad_rows(logits2d, targets, lse, scale, spec: LossSpec, config, grad_dtype=None, in_place=False):
     """scale[:, None] * d loss_row / d logits, given the rows' lse (f32 [N]) and scale (f32 [N])."""
-    return _rowwise(_grad_rows, opts, 4, grad_dtype=grad_dtype, in_place=in_place)(logits2d, targets, lse, scale)
+    return _rowwise(_grad_rows, spec, config, 4, grad_dtype=grad_dtype, in_place=in_place)(logits2d, targets, lse, scale)
 
 
 # ----------------------------------------------------------------------------- public entry point
 
 
-def cross_entropy(
-    logits, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", z_loss=0.0,
-    logit_soft_cap=None, axis_name=None, config: CrossEntropyConfig | None = None,
-):
-    """The op's contract (forgeax.ops.cross_entropy); `config` overrides the launch defaults."""
-    if axis_name is not None:
+def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: CrossEntropyTritonConfig | None = None):
+    """The op's contract (forgeax.ops.cross_entropy); config None: `heuristic_config`."""
+    if spec.axis_name is not None:
         raise NotImplementedError("the Triton cross_entropy has no vocabulary-parallel path; use backend='xla'")
+    config = config or heuristic_config(logits, targets, spec=spec)
     v = logits.shape[-1]
     t = targets.reshape(-1).astype(jnp.int32)
-    valid = (t != ignore_index) & (t >= 0) & (t < v)
-    opts = _Options(float(label_smoothing), float(z_loss), float(logit_soft_cap or 0.0), config or CrossEntropyConfig())
-    loss = _per_token(logits.reshape(-1, v), jnp.where(valid, t, -1), opts).reshape(targets.shape)
-    return reduce_loss(loss, valid, reduction)
+    valid = valid_targets(t, v, spec)
+    loss = _per_token(logits.reshape(-1, v), jnp.where(valid, t, -1), spec, config).reshape(targets.shape)
+    return reduce_loss(loss, valid, spec.reduction)
 
 
-def _supports(logits, targets, *, axis_name=None, **options):
-    del targets, options
-    if axis_name is not None:
+def _supports(logits, targets, *, spec: LossSpec = LossSpec()):
+    del targets
+    if spec.axis_name is not None:
         return "vocabulary-parallel (axis_name) runs in the xla backend only"
     if logits.dtype not in _DTYPES:
         return f"logits dtype {jnp.dtype(logits.dtype).name} is not one of float32/bfloat16/float16"
@@ -324,4 +332,12 @@ def _supports(logits, targets, *, axis_name=None, **options):
     return None
 
 
-CROSS_ENTROPY = Implementation(fn=cross_entropy, platforms={"gpu"}, interpretable=True, supports=_supports)
+CROSS_ENTROPY = Implementation(
+    fn=cross_entropy,
+    platforms={"gpu"},
+    interpretable=True,
+    supports=_supports,
+    config_type=CrossEntropyTritonConfig,
+    heuristic_config=heuristic_config,
+    candidate_configs=candidate_configs,
+)

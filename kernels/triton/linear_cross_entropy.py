@@ -24,34 +24,59 @@ No vocabulary-parallel path (axis_name): that runs in "xla_chunked".
 
 from __future__ import annotations
 
+import dataclasses
 
-from forgeax.kernels.common import linear_cross_entropy as chunked
-from forgeax.kernels.triton import cross_entropy as triton_ce
+from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
+from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.common.losses import LossSpec
+from forgeax.kernels.triton import cross_entropy as triton_ce
 
 
-def _row_options(opts: chunked.Options):
-    return triton_ce.row_options(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, logit_soft_cap=opts.soft_cap or None)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearCrossEntropyTritonConfig(KernelConfig):
+    """Launch of the cross-entropy row kernel on each chunk (as in CrossEntropyTritonConfig:
+    block_v, a power of two, vocabulary elements per loop step; num_warps, an upper bound)."""
+
+    block_v: int = 8192
+    num_warps: int = 8
+
+    def validate(self) -> None:
+        super().validate()
+        triton_ce.check_row_launch(self)
 
 
-def _loss(logits, t, opts):
-    return triton_ce.loss_rows(logits, t, _row_options(opts))
+def heuristic_config(x, weight, targets, bias=None, *, spec: LossSpec, chunk_size=None) -> LinearCrossEntropyTritonConfig:
+    del x, weight, targets, bias, spec, chunk_size
+    return LinearCrossEntropyTritonConfig(block_v=triton_ce.heuristic_block_v())
 
 
-def _loss_and_grad(logits, t, opts, dtype):
-    return triton_ce.loss_and_grad_rows(logits, t, _row_options(opts), grad_dtype=dtype, in_place=True)
+def candidate_configs(x, weight, targets, bias=None, *, spec: LossSpec, chunk_size=None) -> list[LinearCrossEntropyTritonConfig]:
+    del x, weight, targets, bias, spec, chunk_size
+    return [LinearCrossEntropyTritonConfig(block_v=b, num_warps=w) for b in (2048, 4096, 8192, 16384) for w in (2, 4, 8, 16)]
 
 
-def _grad(logits, t, lse, scale, opts, dtype):
-    return triton_ce.grad_rows(logits, t, lse, scale, _row_options(opts), grad_dtype=dtype, in_place=True)
+def _loss(logits, t, spec, config):
+    return triton_ce.loss_rows(logits, t, spec, config)
+
+
+def _loss_and_grad(logits, t, spec, config, dtype):
+    return triton_ce.loss_and_grad_rows(logits, t, spec, config, grad_dtype=dtype, in_place=True)
+
+
+def _grad(logits, t, lse, scale, spec, config, dtype):
+    return triton_ce.grad_rows(logits, t, lse, scale, spec, config, grad_dtype=dtype, in_place=True)
 
 
 CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=False)
 
 
 LINEAR_CROSS_ENTROPY = Implementation(
-    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS),
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS, heuristic_config),
     platforms={"gpu"},
     interpretable=True,
     supports=chunked.supports_single_device,
+    config_type=LinearCrossEntropyTritonConfig,
+    heuristic_config=heuristic_config,
+    candidate_configs=candidate_configs,
 )

@@ -8,7 +8,7 @@ Per token, z = cap * tanh(logits / cap) (or z = logits), target t, V the
 
 Tokens whose target is ignore_index or outside [0, V) give 0. Reductions:
 "none" (per token, f32), "sum", "mean" (sum / number of valid tokens, 0 when
-there are none).
+there are none). The options arrive as one `LossSpec` (kernels/common/losses.py).
 
 With `axis_name` (inside `shard_map`) the vocabulary axis is split across the
 devices of that mesh axis: each holds a contiguous slice of V / n columns, and
@@ -22,13 +22,11 @@ This is the oracle every kernel backend is tested against.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Integer
 
-from forgeax.kernels.common.losses import reduce_loss
+from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
 from forgeax.core.registry import Implementation
 
 
@@ -36,16 +34,12 @@ def cross_entropy(
     logits: Float[Array, "*B V"],
     targets: Integer[Array, "*B"],
     *,
-    label_smoothing: float = 0.0,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    z_loss: float = 0.0,
-    logit_soft_cap: float | None = None,
-    axis_name: Hashable | None = None,
+    spec: LossSpec = LossSpec(),
 ) -> Float[Array, "..."]:
+    cap, ls, axis_name = spec.logit_soft_cap, spec.label_smoothing, spec.axis_name
     z = logits.astype(jnp.float32)
-    if logit_soft_cap is not None:
-        z = logit_soft_cap * jnp.tanh(z / logit_soft_cap)
+    if cap is not None:
+        z = cap * jnp.tanh(z / cap)
     local_vocab = z.shape[-1]
     if axis_name is None:
         first, vocab = 0, local_vocab
@@ -56,7 +50,7 @@ def cross_entropy(
         combine = lambda a: lax.psum(a, axis_name)  # noqa: E731
 
     t = targets.astype(jnp.int32)
-    valid = (t != ignore_index) & (t >= 0) & (t < vocab)
+    valid = valid_targets(t, vocab, spec)
 
     shift = lax.stop_gradient(jnp.max(z, axis=-1))
     if axis_name is not None:
@@ -69,13 +63,13 @@ def cross_entropy(
     picked = jnp.take_along_axis(z, jnp.clip(local_t, 0, local_vocab - 1)[..., None], axis=-1)[..., 0]
     z_target = combine(jnp.where(here, picked, 0.0))
 
-    loss = lse - (1.0 - label_smoothing) * z_target
-    if label_smoothing:
-        loss = loss - label_smoothing * combine(jnp.sum(z, axis=-1)) / vocab
-    if z_loss:
-        loss = loss + z_loss * lse * lse
+    loss = lse - (1.0 - ls) * z_target
+    if ls:
+        loss = loss - ls * combine(jnp.sum(z, axis=-1)) / vocab
+    if spec.z_loss:
+        loss = loss + spec.z_loss * lse * lse
     loss = jnp.where(valid, loss, 0.0)
-    return reduce_loss(loss, valid, reduction)
+    return reduce_loss(loss, valid, spec.reduction)
 
 
 CROSS_ENTROPY = Implementation(fn=cross_entropy)

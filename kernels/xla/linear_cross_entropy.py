@@ -24,13 +24,12 @@ cross-entropy of kernels/xla/cross_entropy.py (its docstring has the math).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Integer
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.xla import cross_entropy as ce_reference
 from forgeax.core.registry import Implementation
 
@@ -39,14 +38,9 @@ def linear_cross_entropy(
     x: Float[Array, "*B H"],
     weight: Float[Array, "H V"],
     targets: Integer[Array, "*B"],
-    *,
     bias: Float[Array, "V"] | None = None,
-    label_smoothing: float = 0.0,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    z_loss: float = 0.0,
-    logit_soft_cap: float | None = None,
-    axis_name: Hashable | None = None,
+    *,
+    spec: LossSpec = LossSpec(),
     chunk_size: int | None = None,
 ) -> Float[Array, "..."]:
     del chunk_size  # the reference materialises every logit at once
@@ -54,10 +48,7 @@ def linear_cross_entropy(
     logits = jnp.matmul(x.astype(dtype), weight.astype(dtype), preferred_element_type=jnp.float32)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    return ce_reference.cross_entropy(
-        logits, targets, label_smoothing=label_smoothing, ignore_index=ignore_index, reduction=reduction,
-        z_loss=z_loss, logit_soft_cap=logit_soft_cap, axis_name=axis_name,
-    )
+    return ce_reference.cross_entropy(logits, targets, spec=spec)
 
 
 LINEAR_CROSS_ENTROPY = Implementation(fn=linear_cross_entropy)
@@ -66,71 +57,73 @@ LINEAR_CROSS_ENTROPY = Implementation(fn=linear_cross_entropy)
 # ----------------------------------------------------------------------------- the chunked variant
 
 
-def _vocab(opts, local: int):
+def _vocab(spec: LossSpec, local: int):
     """(first global id of this shard, global vocabulary size)."""
-    if opts.axis_name is None:
+    if spec.axis_name is None:
         return 0, local
-    return lax.axis_index(opts.axis_name) * local, local * lax.axis_size(opts.axis_name)
+    return lax.axis_index(spec.axis_name) * local, local * lax.axis_size(spec.axis_name)
 
 
-def _capped(logits, opts):
+def _capped(logits, spec: LossSpec):
     """(z, tanh(l / cap) or None)."""
-    if not opts.soft_cap:
+    if not spec.soft_cap:
         return logits, None
-    th = jnp.tanh(logits / opts.soft_cap)
-    return opts.soft_cap * th, th
+    th = jnp.tanh(logits / spec.soft_cap)
+    return spec.soft_cap * th, th
 
 
-def _loss(logits, t, opts):
-    z, _ = _capped(logits, opts)
+def _loss(logits, t, spec: LossSpec, config=None):
+    del config  # the XLA chunk kernels take none
+    z, _ = _capped(logits, spec)
     local = z.shape[-1]
-    first, vocab = _vocab(opts, local)
+    first, vocab = _vocab(spec, local)
     m = jnp.max(z, axis=-1)
-    if opts.axis_name is not None:
-        m = lax.pmax(m, opts.axis_name)
+    if spec.axis_name is not None:
+        m = lax.pmax(m, spec.axis_name)
     here_t = t - first
     here = (here_t >= 0) & (here_t < local)  # t = -1 (ignored) is on no shard
     picked = jnp.take_along_axis(z, jnp.clip(here_t, 0, local - 1)[:, None], axis=-1)[:, 0]
     sums = [jnp.sum(jnp.exp(z - m[:, None]), axis=-1), jnp.where(here, picked, 0.0)]
-    if opts.label_smoothing:
+    if spec.label_smoothing:
         sums.append(jnp.sum(z, axis=-1))
-    if opts.axis_name is not None:
-        sums = lax.psum(sums, opts.axis_name)
+    if spec.axis_name is not None:
+        sums = lax.psum(sums, spec.axis_name)
     lse = m + jnp.log(sums[0])
-    loss = lse - (1.0 - opts.label_smoothing) * sums[1]
-    if opts.label_smoothing:
-        loss = loss - opts.label_smoothing / vocab * sums[2]
-    if opts.z_loss:
-        loss = loss + opts.z_loss * lse * lse
+    loss = lse - (1.0 - spec.label_smoothing) * sums[1]
+    if spec.label_smoothing:
+        loss = loss - spec.label_smoothing / vocab * sums[2]
+    if spec.z_loss:
+        loss = loss + spec.z_loss * lse * lse
     return jnp.where(t >= 0, loss, 0.0), lse
 
 
-def _grad(logits, t, lse, scale, opts, dtype):
-    z, th = _capped(logits, opts)
+def _grad(logits, t, lse, scale, spec: LossSpec, config, dtype):
+    del config
+    z, th = _capped(logits, spec)
     local = z.shape[-1]
-    first, vocab = _vocab(opts, local)
+    first, vocab = _vocab(spec, local)
     valid = (t >= 0)[:, None]
     scale = jnp.where(t >= 0, scale, 0.0)[:, None]
     hit = jnp.arange(local)[None, :] == (t - first)[:, None]
-    g = jnp.exp(z - lse[:, None]) * (scale * (1.0 + 2.0 * opts.z_loss * lse[:, None]))
-    g = g - jnp.where(hit, scale * (1.0 - opts.label_smoothing), 0.0)
-    if opts.label_smoothing:
-        g = g - scale * (opts.label_smoothing / vocab)
+    g = jnp.exp(z - lse[:, None]) * (scale * (1.0 + 2.0 * spec.z_loss * lse[:, None]))
+    g = g - jnp.where(hit, scale * (1.0 - spec.label_smoothing), 0.0)
+    if spec.label_smoothing:
+        g = g - scale * (spec.label_smoothing / vocab)
     if th is not None:
         g = g * (1.0 - th * th)
     return jnp.where(valid, g, 0.0).astype(dtype)  # exact zeros on ignored rows, even for inf logits
 
 
-def _loss_and_grad(logits, t, opts, dtype):
-    loss, lse = _loss(logits, t, opts)
-    return loss, lse, _grad(logits, t, lse, jnp.ones_like(lse), opts, dtype)
+def _loss_and_grad(logits, t, spec: LossSpec, config, dtype):
+    loss, lse = _loss(logits, t, spec)
+    return loss, lse, _grad(logits, t, lse, jnp.ones_like(lse), spec, config, dtype)
 
 
 CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad)
 
 
-def _supports_chunked(x, weight, targets, **options):
-    del weight, targets, options
+def _supports_chunked(x, weight, targets, bias=None, **options):
+    del weight, targets, bias, options
     if x.size == 0:
         return "no tokens"
     return None

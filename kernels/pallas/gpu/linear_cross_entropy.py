@@ -10,10 +10,10 @@ the algorithm). This backend's ChunkKernels take the matmul operands of a chunk,
 (`fused_matmul=True`), and compute the logits themselves, tile by tile:
 
   `_stats_call`, one plgpu.kernel, grid (vocabulary splits S, row blocks of
-  BM = 128 x Config.warpgroups): each CTA owns BM rows (128 per compute
+  BM = 128 x config.warpgroups): each CTA owns BM rows (128 per compute
   warpgroup; 2 warpgroups share each W tile in SMEM) and a contiguous run of
   BN-wide vocabulary tiles. Per tile it runs the K = H loop (a TMA ring of
-  Config.stages slots -> wgmma into a 128 x BN f32 accumulator per
+  config.stages slots -> wgmma into a 128 x BN f32 accumulator per
   warpgroup), then folds the tile into per-row online statistics, in f32:
       l = round_to_matmul_dtype(acc + b)      (as x @ W would be stored)
       z = cap * tanh(l / cap)  (or l);        columns >= V masked out
@@ -47,7 +47,7 @@ the padded columns are masked), any number of tokens (rows padded to BM with
 ignored targets), every option of the op except axis_name (refused).
 The grid has about 4 CTAs per SM (`_splits`); with 160-220 KiB of SMEM one CTA
 runs per SM at a time, so the epilogue (exp/tanh over the tile) does not
-overlap the tensor cores: that and the tiling (`Config`) are what to tune.
+overlap the tensor cores: that and the tiling (`LinearCrossEntropyPallasGpuConfig`) are what to tune.
 """
 
 from __future__ import annotations
@@ -61,9 +61,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.xla import linear_cross_entropy as xla_lce
 from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
+from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 
@@ -75,8 +77,8 @@ _WAVES = 4  # aim for about this many CTAs per SM in the grid
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearCrossEntropyPallasGpuConfig(KernelConfig):
     """Tiling of the kernel (not tuned yet: to be measured on a GPU).
 
     warpgroups: compute warpgroups per CTA, each owning 128 rows; they share
@@ -98,11 +100,17 @@ class Config:
     block_n: int = 128
     stages: int = 4
 
-    def __post_init__(self):
-        if self.warpgroups not in (1, 2) or self.block_n not in (64, 128) or self.stages < 2:
-            raise ValueError(f"unsupported {self}: warpgroups 1 or 2, block_n 64 or 128, stages >= 2")
+    def validate(self) -> None:
+        super().validate()
+        name = type(self).__name__
+        if self.warpgroups not in (1, 2):
+            raise ValueError(f"{name}.warpgroups: expected 1 or 2, got {self.warpgroups}")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"{name}.block_n: expected 64 or 128, got {self.block_n}")
+        if self.stages < 2:
+            raise ValueError(f"{name}.stages: expected >= 2, got {self.stages}")
         if self.smem_bytes > _SMEM_BYTES:
-            raise ValueError(f"{self} needs {self.smem_bytes} B of shared memory (at most {_SMEM_BYTES})")
+            raise ValueError(f"{name}.stages: {self} needs {self.smem_bytes} B of shared memory (at most {_SMEM_BYTES})")
 
     @property
     def block_m(self) -> int:
@@ -114,7 +122,22 @@ class Config:
         return ring + self.block_m * (self.block_n * 2 + 4 + 16) + self.warpgroups * 2 * self.block_n * 4 + 1024
 
 
-CONFIG = Config()  # read at trace time: assign another Config to try one
+def heuristic_config(x, weight, targets, bias=None, *, spec: LossSpec, chunk_size=None) -> LinearCrossEntropyPallasGpuConfig:
+    del x, weight, targets, bias, spec, chunk_size
+    return LinearCrossEntropyPallasGpuConfig()
+
+
+def candidate_configs(x, weight, targets, bias=None, *, spec: LossSpec, chunk_size=None) -> list[LinearCrossEntropyPallasGpuConfig]:
+    """Every single-warpgroup tiling that fits in SMEM (2 warpgroups wait for a GPU run, above)."""
+    del x, weight, targets, bias, spec, chunk_size
+    out = []
+    for block_n in (64, 128):
+        for stages in range(2, 9):
+            try:
+                out.append(LinearCrossEntropyPallasGpuConfig(warpgroups=1, block_n=block_n, stages=stages))
+            except ValueError:  # over the SMEM budget
+                break
+    return out
 
 
 def _splits(row_blocks: int, tiles: int) -> int:
@@ -296,11 +319,10 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
 # ----------------------------------------------------------------------------- chunk kernels
 
 
-def _fused_logits(operands, t, opts, store):
+def _fused_logits(operands, t, spec: LossSpec, config: LinearCrossEntropyPallasGpuConfig, store):
     """(loss [C], lse [C], logits [C, V] in the matmul dtype or None) of one chunk."""
     x, w, b = operands
     c, v = x.shape[0], w.shape[1]
-    config = CONFIG
     cp, vp = -(-c // config.block_m) * config.block_m, -(-v // config.block_n) * config.block_n
     if cp != c:
         x = jnp.pad(x, ((0, cp - c), (0, 0)))
@@ -310,45 +332,45 @@ def _fused_logits(operands, t, opts, store):
     if b is not None:
         b = jnp.pad(b.astype(_F32), (0, vp - v))
     stats, logits = _stats_call(
-        x, w.astype(x.dtype), b, tp, vocab=v, cap=opts.soft_cap, smoothing=opts.label_smoothing, store=store,
+        x, w.astype(x.dtype), b, tp, vocab=v, cap=spec.soft_cap, smoothing=spec.label_smoothing, store=store,
         config=config,
     )
     stats = stats[:, :, :c]
     m_s, s_s, zt, zs = stats[:, 0], stats[:, 1], jnp.sum(stats[:, 2], 0), jnp.sum(stats[:, 3], 0)
     m = jnp.max(m_s, axis=0)
     lse = m + jnp.log(jnp.sum(s_s * jnp.exp(m_s - m), axis=0))
-    loss = lse - (1.0 - opts.label_smoothing) * zt
-    if opts.label_smoothing:
-        loss = loss - opts.label_smoothing / v * zs
-    if opts.z_loss:
-        loss = loss + opts.z_loss * lse * lse
+    loss = lse - (1.0 - spec.label_smoothing) * zt
+    if spec.label_smoothing:
+        loss = loss - spec.label_smoothing / v * zs
+    if spec.z_loss:
+        loss = loss + spec.z_loss * lse * lse
     if logits is not None and (cp, vp) != (c, v):
         logits = logits[:c, :v]
     return jnp.where(t >= 0, loss, 0.0), lse, logits
 
 
-def _loss(operands, t, opts):
-    return _fused_logits(operands, t, opts, store=False)[:2]
+def _loss(operands, t, spec, config):
+    return _fused_logits(operands, t, spec, config, store=False)[:2]
 
 
-def _loss_and_grad(operands, t, opts, dtype):
-    loss, lse, logits = _fused_logits(operands, t, opts, store=True)
+def _loss_and_grad(operands, t, spec, config, dtype):
+    loss, lse, logits = _fused_logits(operands, t, spec, config, store=True)
     # One XLA elementwise pass (the convert fuses into it): g from the stored logits.
-    return loss, lse, xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, jnp.ones_like(lse), opts, dtype)
+    return loss, lse, xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, jnp.ones_like(lse), spec, None, dtype)
 
 
-def _grad(operands, t, lse, scale, opts, dtype):
-    logits = _fused_logits(operands, t, opts, store=True)[2]
-    return xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, scale, opts, dtype)
+def _grad(operands, t, lse, scale, spec, config, dtype):
+    logits = _fused_logits(operands, t, spec, config, store=True)[2]
+    return xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, scale, spec, None, dtype)
 
 
 # The loop hands the kernels (x_c, W, b) instead of logits: the matmul happens inside them.
 CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=False, fused_matmul=True)
 
 
-def _supports(x, weight, targets, *, bias=None, axis_name=None, **options) -> str | None:
+def _supports(x, weight, targets, bias=None, *, spec: LossSpec = LossSpec(), **options) -> str | None:
     del targets, bias, options
-    if axis_name is not None:
+    if spec.axis_name is not None:
         return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
     for name, a in (("x", x), ("weight", weight)):
         if jnp.dtype(a.dtype) not in _DTYPES:
@@ -364,8 +386,11 @@ def _supports(x, weight, targets, *, bias=None, axis_name=None, **options) -> st
 
 
 LINEAR_CROSS_ENTROPY = Implementation(
-    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS),
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS, heuristic_config),
     platforms=("gpu",),
     interpretable=True,
     supports=_supports,
+    config_type=LinearCrossEntropyPallasGpuConfig,
+    heuristic_config=heuristic_config,
+    candidate_configs=candidate_configs,
 )

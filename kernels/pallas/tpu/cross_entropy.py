@@ -4,7 +4,8 @@ NOT RUN ON A TPU: no TPU was available while writing this. The numerics are
 proven in Pallas' TPU interpreter (`pltpu.InterpretParams()`, the conformance
 suite tests/cross_entropy_test.py under FORGEAX_INTERPRET=1) and the Mosaic
 lowering by cross-lowering on CPU (tests/lowering_pallas_tpu_cross_entropy_test.py).
-Block sizes are reasoned about (VMEM budget, grid-step count), not measured.
+Block sizes (`CrossEntropyPallasTpuConfig`) are reasoned about (VMEM budget, grid-step
+count), not measured.
 
 logits are viewed as (N, V) rows, targets as an (N, 1) int32 column with -1
 marking an ignored token (ignore_index and out-of-range targets are mapped to
@@ -49,33 +50,64 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.losses import reduce_loss
+from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
 from forgeax.kernels.pallas.interpret import without_effects
+from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 
-__all__ = ["CROSS_ENTROPY", "Tiling", "grad_rows", "loss_rows", "row_options", "tiling"]
+__all__ = ["CROSS_ENTROPY", "CrossEntropyPallasTpuConfig", "Tiling", "grad_rows", "loss_rows", "tiling"]
 
 _F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-# Tile shape: 128 rows x 4096 lanes is 2 MiB per f32 temporary and 1 MiB per
-# bf16 buffer. The backward holds the double-buffered x and dx tiles (4 MiB in
-# bf16, 8 in f32) plus a few f32 temporaries: well under the 32 MiB scoped VMEM
-# limit we ask for (v5e's default is 16 MiB; every current chip has >= 64 MiB
-# physical). At (8192, 128256) bf16 that is 64 x 32 = 2048 grid steps of 1 MiB
-# each, so the ~0.35 us per-step overhead stays small against the DMA time.
-_BLOCK_ROWS = 128
-_BLOCK_V = 4096
-_VMEM_LIMIT = 32 << 20
-# The TPU interpreter pays per grid step: on CPU it takes 4x wider vocab blocks
-# (V=50257 still runs 4 blocks, the last one masked).
-_INTERPRET_BLOCK_V = 16384
+_VMEM_LIMIT = 32 << 20  # the scoped VMEM we ask for (v5e's default is 16 MiB; every current chip has >= 64 MiB)
 
 
 def _row_align(dtype) -> int:
     """Row-block multiple: 8 sublanes of 32 bits, 16 rows for 16-bit dtypes."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CrossEntropyPallasTpuConfig(KernelConfig):
+    """The (block_rows, block_v) tile of both kernels.
+
+    block_rows: a multiple of 16 (legal for every dtype; all N rows when N is smaller).
+    block_v: a multiple of 128 lanes (all V when V is smaller). 128 x 4096 is 2 MiB per f32
+    temporary and 1 MiB per bf16 buffer: the backward's double-buffered x and dx tiles (4 MiB
+    in bf16, 8 in f32) plus a few f32 temporaries stay well under the VMEM limit, and at
+    (8192, 128256) the 2048 grid steps move 1 MiB each, so the ~0.35 us per-step overhead
+    stays small against the DMA time.
+    """
+
+    block_rows: int = 128
+    block_v: int = 4096
+
+    def validate(self) -> None:
+        super().validate()
+        name = type(self).__name__
+        if self.block_rows % 16:
+            raise ValueError(f"{name}.block_rows: expected a multiple of 16, got {self.block_rows}")
+        if self.block_v % 128:
+            raise ValueError(f"{name}.block_v: expected a multiple of 128, got {self.block_v}")
+
+
+def heuristic_block_v() -> int:
+    """The default vocabulary block. The TPU interpreter pays per grid step: on CPU it takes 4x
+    wider blocks (V=50257 still runs 4 blocks, the last one masked)."""
+    return 16384 if interpret_enabled() else CrossEntropyPallasTpuConfig.block_v
+
+
+def heuristic_config(logits, targets, *, spec: LossSpec) -> CrossEntropyPallasTpuConfig:
+    del logits, targets, spec
+    return CrossEntropyPallasTpuConfig(block_v=heuristic_block_v())
+
+
+def candidate_configs(logits, targets, *, spec: LossSpec) -> list[CrossEntropyPallasTpuConfig]:
+    """Tiles worth timing on a TPU (none measured yet): rows x lanes around the default."""
+    del logits, targets, spec
+    return [CrossEntropyPallasTpuConfig(block_rows=r, block_v=v) for r in (64, 128, 256) for v in (2048, 4096, 8192)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,21 +134,12 @@ class Tiling:
         return pl.BlockSpec((self.block_rows, 1), lambda i, j: (i, 0))
 
 
-def tiling(rows: int, vocab: int, dtype, *, block_v: int | None = None) -> Tiling:
-    """Legal TPU blocks for (rows, vocab) logits of `dtype`."""
-    if block_v is None:
-        block_v = _INTERPRET_BLOCK_V if interpret_enabled() else _BLOCK_V
+def tiling(rows: int, vocab: int, dtype, config: CrossEntropyPallasTpuConfig) -> Tiling:
+    """Legal TPU blocks for (rows, vocab) logits of `dtype` under `config`."""
     align = _row_align(dtype)
-    br = rows if rows <= _BLOCK_ROWS else _BLOCK_ROWS // align * align
-    bv = vocab if vocab <= block_v else block_v
+    br = rows if rows <= config.block_rows else config.block_rows // align * align
+    bv = vocab if vocab <= config.block_v else config.block_v
     return Tiling(rows, vocab, br, bv)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    label_smoothing: float
-    z_loss: float
-    soft_cap: float  # 0.0: no cap
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -135,7 +158,7 @@ def _logits_tile(x_ref, t: Tiling, cap: float):
     return x, z, th, cols, in_range
 
 
-def _fwd_kernel(x_ref, t_ref, loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc, *, t: Tiling, opts: _Options):
+def _fwd_kernel(x_ref, t_ref, loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc, *, t: Tiling, spec: LossSpec):
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -145,7 +168,7 @@ def _fwd_kernel(x_ref, t_ref, loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc, *, 
         zt_sc[...] = jnp.zeros(zt_sc.shape, _F32)
         zsum_sc[...] = jnp.zeros(zsum_sc.shape, _F32)
 
-    _, z, _, cols, in_range = _logits_tile(x_ref, t, opts.soft_cap)
+    _, z, _, cols, in_range = _logits_tile(x_ref, t, spec.soft_cap)
     target = t_ref[...]  # (block_rows, 1); -1 never matches a column
     z_max = z if in_range is None else jnp.where(in_range, z, -jnp.inf)
     m_old = m_sc[...]
@@ -154,33 +177,33 @@ def _fwd_kernel(x_ref, t_ref, loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc, *, 
     s_sc[...] = s_sc[...] * jnp.exp(m_old - m_new) + jnp.sum(jnp.exp(z_max - m_new), axis=1, keepdims=True)
     m_sc[...] = m_new
     zt_sc[...] += jnp.sum(jnp.where(cols == target, z, 0.0), axis=1, keepdims=True)
-    if opts.label_smoothing:
+    if spec.label_smoothing:
         z_in = z if in_range is None else jnp.where(in_range, z, 0.0)
         zsum_sc[...] += jnp.sum(z_in, axis=1, keepdims=True)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
         lse = m_sc[...] + jnp.log(s_sc[...])
-        loss = lse - (1.0 - opts.label_smoothing) * zt_sc[...]
-        if opts.label_smoothing:
-            loss = loss - (opts.label_smoothing / t.vocab) * zsum_sc[...]
-        if opts.z_loss:
-            loss = loss + opts.z_loss * lse * lse
+        loss = lse - (1.0 - spec.label_smoothing) * zt_sc[...]
+        if spec.label_smoothing:
+            loss = loss - (spec.label_smoothing / t.vocab) * zsum_sc[...]
+        if spec.z_loss:
+            loss = loss + spec.z_loss * lse * lse
         loss_ref[...] = jnp.where(target >= 0, loss, 0.0)
         lse_ref[...] = lse
 
 
-def _bwd_kernel(x_ref, t_ref, lse_ref, ct_ref, dx_ref, *, t: Tiling, opts: _Options):
-    _, z, th, cols, _ = _logits_tile(x_ref, t, opts.soft_cap)
+def _bwd_kernel(x_ref, t_ref, lse_ref, ct_ref, dx_ref, *, t: Tiling, spec: LossSpec):
+    _, z, th, cols, _ = _logits_tile(x_ref, t, spec.soft_cap)
     target = t_ref[...]
     valid = target >= 0
     lse = lse_ref[...]
     scale = jnp.where(valid, ct_ref[...], 0.0)  # (block_rows, 1)
-    p_scale = scale * (1.0 + 2.0 * opts.z_loss * lse)  # d(lse + z_loss lse^2)/dlse
-    g = jnp.exp(z - lse) * p_scale - jnp.where(cols == target, scale * (1.0 - opts.label_smoothing), 0.0)
-    if opts.label_smoothing:
-        g = g - scale * (opts.label_smoothing / t.vocab)
-    if opts.soft_cap:
+    p_scale = scale * (1.0 + 2.0 * spec.z_loss * lse)  # d(lse + z_loss lse^2)/dlse
+    g = jnp.exp(z - lse) * p_scale - jnp.where(cols == target, scale * (1.0 - spec.label_smoothing), 0.0)
+    if spec.label_smoothing:
+        g = g - scale * (spec.label_smoothing / t.vocab)
+    if spec.soft_cap:
         g = g * (1.0 - th * th)  # d(cap tanh(x / cap))/dx
     # Exact zeros on ignored rows, even for inf/NaN logits. Lanes past V are dropped on write.
     dx_ref[...] = jnp.where(valid, g, 0.0).astype(dx_ref.dtype)
@@ -205,75 +228,75 @@ def _pallas(kernel, *, t: Tiling, in_specs, out_specs, out_shape, semantics, cos
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_call(t: Tiling, dtype, opts: _Options, interpret: bool):
+def _fwd_call(t: Tiling, dtype, spec: LossSpec, interpret: bool):
     """(N, V) logits, (N, 1) int32 targets -> (loss, lse), each (N, 1) f32."""
     col_f32 = jax.ShapeDtypeStruct((t.rows, 1), _F32)
     size = t.rows * t.vocab
     return _pallas(
-        functools.partial(_fwd_kernel, t=t, opts=opts),
+        functools.partial(_fwd_kernel, t=t, spec=spec),
         t=t,
         in_specs=[t.tile(), t.column()],
         out_specs=[t.column(), t.column()],
         out_shape=[col_f32, col_f32],
         scratch_shapes=[pltpu.VMEM((t.block_rows, 1), _F32) for _ in range(4)],
         semantics=("parallel", "arbitrary"),
-        cost=pl.CostEstimate(flops=6 * size, transcendentals=size * (2 if opts.soft_cap else 1), bytes_accessed=size * dtype.itemsize),
+        cost=pl.CostEstimate(flops=6 * size, transcendentals=size * (2 if spec.soft_cap else 1), bytes_accessed=size * dtype.itemsize),
         interpret=interpret,
     )
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_call(t: Tiling, dtype, opts: _Options, interpret: bool, grad_dtype=None):
+def _bwd_call(t: Tiling, dtype, spec: LossSpec, interpret: bool, grad_dtype=None):
     """(N, V) logits, (N, 1) int32 targets, lse, cotangent (N, 1) f32 -> dx (N, V) in grad_dtype (default: the logits')."""
     size = t.rows * t.vocab
     grad_dtype = dtype if grad_dtype is None else jnp.dtype(grad_dtype)  # (np.dtype is falsy: no `or`)
     return _pallas(
-        functools.partial(_bwd_kernel, t=t, opts=opts),
+        functools.partial(_bwd_kernel, t=t, spec=spec),
         t=t,
         in_specs=[t.tile(), t.column(), t.column(), t.column()],
         out_specs=t.tile(),
         out_shape=jax.ShapeDtypeStruct((t.rows, t.vocab), grad_dtype),
         semantics=("parallel", "parallel"),
         cost=pl.CostEstimate(
-            flops=8 * size, transcendentals=size * (2 if opts.soft_cap else 1),
+            flops=8 * size, transcendentals=size * (2 if spec.soft_cap else 1),
             bytes_accessed=size * (dtype.itemsize + grad_dtype.itemsize),
         ),
         interpret=interpret,
     )
 
 
-def _loss_rows(x2, t, *, opts: _Options):
+def _loss_rows(x2, t, *, spec: LossSpec, config):
     rows, v = x2.shape
-    return _fwd_call(tiling(rows, v, x2.dtype), jnp.dtype(x2.dtype), opts, interpret_enabled())(x2, t)
+    return _fwd_call(tiling(rows, v, x2.dtype, config), jnp.dtype(x2.dtype), spec, interpret_enabled())(x2, t)
 
 
-def _grad_rows(x2, t, lse, ct, *, opts: _Options, grad_dtype=None):
+def _grad_rows(x2, t, lse, ct, *, spec: LossSpec, config, grad_dtype=None):
     rows, v = x2.shape
     # The row block must suit both the logits' and the gradient's dtype (16 rows for 16-bit).
     grad_dtype = jnp.dtype(x2.dtype if grad_dtype is None else grad_dtype)
     narrow = min(jnp.dtype(x2.dtype), grad_dtype, key=lambda d: d.itemsize)
-    call = _bwd_call(tiling(rows, v, narrow), jnp.dtype(x2.dtype), opts, interpret_enabled(), grad_dtype)
+    call = _bwd_call(tiling(rows, v, narrow, config), jnp.dtype(x2.dtype), spec, interpret_enabled(), grad_dtype)
     return call(x2, t, lse, ct)
 
 
 # Row kernels under vmap: a batch axis folds into the rows (every argument is per row).
-def _rowwise(fn, opts, n_args, **kwargs):
-    return fold_vmap_into_rows(functools.partial(fn, opts=opts, **kwargs), row_args=tuple(range(n_args)))
+def _rowwise(fn, spec, config, n_args, **kwargs):
+    return fold_vmap_into_rows(functools.partial(fn, spec=spec, config=config, **kwargs), row_args=tuple(range(n_args)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _per_token(x2, t, opts):
-    return _rowwise(_loss_rows, opts, 2)(x2, t)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _per_token(x2, t, spec, config):
+    return _rowwise(_loss_rows, spec, config, 2)(x2, t)[0]
 
 
-def _per_token_fwd(x2, t, opts):
-    loss, lse = _rowwise(_loss_rows, opts, 2)(x2, t)
+def _per_token_fwd(x2, t, spec, config):
+    loss, lse = _rowwise(_loss_rows, spec, config, 2)(x2, t)
     return loss, (x2, t, lse)
 
 
-def _per_token_bwd(opts, residuals, ct):
+def _per_token_bwd(spec, config, residuals, ct):
     x2, t, lse = residuals
-    dx = _rowwise(_grad_rows, opts, 4)(x2, t, lse, ct.astype(_F32))
+    dx = _rowwise(_grad_rows, spec, config, 4)(x2, t, lse, ct.astype(_F32))
     return dx, None  # integer targets: no cotangent
 
 
@@ -282,52 +305,44 @@ _per_token.defvjp(_per_token_fwd, _per_token_bwd)
 
 # ----------------------------------------------------------------------------- row entry points
 # For callers that own the differentiation (the linear_cross_entropy chunk loop):
-# 2-D logits, 1-D per-row arrays, no custom_vjp.
+# 2-D logits, 1-D per-row arrays, no custom_vjp; `spec` the call's LossSpec.
 
 
-def row_options(*, label_smoothing=0.0, z_loss=0.0, logit_soft_cap=None) -> _Options:
-    """The static options of the row functions below."""
-    return _Options(float(label_smoothing), float(z_loss), float(logit_soft_cap or 0.0))
-
-
-def loss_rows(logits2d, targets, opts: _Options):
+def loss_rows(logits2d, targets, spec: LossSpec, config: CrossEntropyPallasTpuConfig):
     """(loss [N], lse [N]) f32 of 2-D logits; targets int32 [N], -1 = ignored (loss 0). One launch."""
-    loss, lse = _rowwise(_loss_rows, opts, 2)(logits2d, targets[:, None])
+    loss, lse = _rowwise(_loss_rows, spec, config, 2)(logits2d, targets[:, None])
     return loss[:, 0], lse[:, 0]
 
 
-def grad_rows(logits2d, targets, lse, scale, opts: _Options, grad_dtype=None):
+def grad_rows(logits2d, targets, lse, scale, spec: LossSpec, config: CrossEntropyPallasTpuConfig, grad_dtype=None):
     """scale[:, None] * d loss_row / d logits in grad_dtype (default the logits'), given the
     rows' lse and scale (f32 [N]); exact zeros on ignored rows. One launch."""
     col = lambda a: a.astype(_F32)[:, None]  # noqa: E731
-    return _rowwise(_grad_rows, opts, 4, grad_dtype=grad_dtype)(logits2d, targets[:, None], col(lse), col(scale))
+    return _rowwise(_grad_rows, spec, config, 4, grad_dtype=grad_dtype)(logits2d, targets[:, None], col(lse), col(scale))
 
 
 # ----------------------------------------------------------------------------- public entry point
 
 
-def cross_entropy(
-    logits, targets, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", z_loss=0.0,
-    logit_soft_cap=None, axis_name=None,
-):
-    """The op's contract (forgeax.ops.cross_entropy) on one device."""
-    if axis_name is not None:
+def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: CrossEntropyPallasTpuConfig | None = None):
+    """The op's contract (forgeax.ops.cross_entropy) on one device; config None: `heuristic_config`."""
+    if spec.axis_name is not None:
         raise NotImplementedError("the Mosaic TPU cross_entropy has no vocabulary-parallel path; use backend='xla'")
+    config = config or heuristic_config(logits, targets, spec=spec)
     v = logits.shape[-1]
     t = targets.reshape(-1).astype(jnp.int32)
-    valid = (t != ignore_index) & (t >= 0) & (t < v)
-    opts = _Options(float(label_smoothing), float(z_loss), float(logit_soft_cap or 0.0))
+    valid = valid_targets(t, v, spec)
     if t.shape[0] == 0:  # no tokens: nothing to launch (a zero-size grid is not a kernel)
         loss = jnp.zeros(targets.shape, _F32)
     else:
         column = jnp.where(valid, t, -1)[:, None]
-        loss = _per_token(logits.reshape(-1, v), column, opts).reshape(targets.shape)
-    return reduce_loss(loss, valid, reduction)
+        loss = _per_token(logits.reshape(-1, v), column, spec, config).reshape(targets.shape)
+    return reduce_loss(loss, valid, spec.reduction)
 
 
-def _supports(logits, targets, *, axis_name=None, **options):
-    del targets, options
-    if axis_name is not None:
+def _supports(logits, targets, *, spec: LossSpec = LossSpec()):
+    del targets
+    if spec.axis_name is not None:
         return "vocabulary-parallel (axis_name) runs in the xla backend only"
     if jnp.dtype(logits.dtype) not in _DTYPES:
         return f"logits dtype {jnp.dtype(logits.dtype).name} is not one of float32/bfloat16/float16"
@@ -336,4 +351,12 @@ def _supports(logits, targets, *, axis_name=None, **options):
     return None
 
 
-CROSS_ENTROPY = Implementation(fn=cross_entropy, platforms={"tpu"}, interpretable=True, supports=_supports)
+CROSS_ENTROPY = Implementation(
+    fn=cross_entropy,
+    platforms={"tpu"},
+    interpretable=True,
+    supports=_supports,
+    config_type=CrossEntropyPallasTpuConfig,
+    heuristic_config=heuristic_config,
+    candidate_configs=candidate_configs,
+)

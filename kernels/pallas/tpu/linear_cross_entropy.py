@@ -22,6 +22,7 @@ scaled by the per-token cotangent. So the chunk's logits are read twice and
 the gradient written once, the HBM floor for two kernels; there is no fused
 loss-and-gradient kernel (one read fewer), as there is in Triton.
 
+Config: the row kernels' tile (`CrossEntropyPallasTpuConfig`, as for cross_entropy).
 Default chunk: 1024 tokens at V=128256 (512 MiB of f32 logits + 256 MiB of
 bf16 gradient), from the shared default_chunk_size.
 No vocabulary-parallel path (axis_name): that runs in "xla_chunked".
@@ -31,33 +32,47 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from forgeax.kernels.common import linear_cross_entropy as chunked
-from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
 from forgeax.core.registry import Implementation
-def _row_options(opts: chunked.Options):
-    return tpu_ce.row_options(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, logit_soft_cap=opts.soft_cap or None)
+from forgeax.kernels.common import linear_cross_entropy as chunked
+from forgeax.kernels.common.losses import LossSpec
+from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
+from forgeax.kernels.pallas.tpu.cross_entropy import CrossEntropyPallasTpuConfig
 
 
-def _loss(logits, t, opts):
-    return tpu_ce.loss_rows(logits, t, _row_options(opts))
+def heuristic_config(x, weight, targets, bias=None, *, spec: LossSpec, chunk_size=None) -> CrossEntropyPallasTpuConfig:
+    """The row kernels' tile on each chunk: the cross-entropy backend's default."""
+    del x, weight, targets, bias, spec, chunk_size
+    return CrossEntropyPallasTpuConfig(block_v=tpu_ce.heuristic_block_v())
 
 
-def _grad(logits, t, lse, scale, opts, dtype):
-    return tpu_ce.grad_rows(logits, t, lse, scale, _row_options(opts), grad_dtype=dtype)
+def candidate_configs(x, weight, targets, bias=None, *, spec: LossSpec, chunk_size=None) -> list[CrossEntropyPallasTpuConfig]:
+    del x, weight, bias, chunk_size
+    return tpu_ce.candidate_configs(None, targets, spec=spec)
 
 
-def _loss_and_grad(logits, t, opts, dtype):
-    loss, lse = _loss(logits, t, opts)
+def _loss(logits, t, spec, config):
+    return tpu_ce.loss_rows(logits, t, spec, config)
+
+
+def _grad(logits, t, lse, scale, spec, config, dtype):
+    return tpu_ce.grad_rows(logits, t, lse, scale, spec, config, grad_dtype=dtype)
+
+
+def _loss_and_grad(logits, t, spec, config, dtype):
+    loss, lse = _loss(logits, t, spec, config)
     # Cotangent 1 per row; the kernel zeroes ignored rows itself.
-    return loss, lse, _grad(logits, t, lse, jnp.ones_like(lse), opts, dtype)
+    return loss, lse, _grad(logits, t, lse, jnp.ones_like(lse), spec, config, dtype)
 
 
 CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, grad=_grad, f32_logits=True)
 
 
 LINEAR_CROSS_ENTROPY = Implementation(
-    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS),
+    fn=chunked.linear_cross_entropy_with(CHUNK_KERNELS, heuristic_config),
     platforms={"tpu"},
     interpretable=True,
     supports=chunked.supports_single_device,
+    config_type=CrossEntropyPallasTpuConfig,
+    heuristic_config=heuristic_config,
+    candidate_configs=candidate_configs,
 )
