@@ -3,7 +3,7 @@
     bazel run //tools:bench -- --op rms_norm            # CPU: the small shapes
     python tools/bench.py --op rms_norm --op layer_norm # GPU, against the installed wheel
 
-Method (DESIGN.md, Performance): compile first (excluded), warm up, then
+Method (docs/performance.md): compile first (excluded), warm up, then
 `--reps` rounds of `--calls` back-to-back calls each closed by
 `block_until_ready`; the per-call median of the rounds is the result. On an
 accelerator the copy ceiling (a large read+write) is measured in the same run, and
