@@ -13,75 +13,24 @@ import datetime
 import json
 import os
 import statistics
-import time
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from forgeax.core.timing import (  # noqa: E402,F401 - the shared timing method, re-exported for the scripts
+    alternating,
+    copy_bandwidth,
+    interleaved,
+    paired_ratios,
+    temp_bytes,
+    time_call,
+)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 # --- Timing -----------------------------------------------------------------------------------
-
-def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float]:
-    """Per-call seconds of `reps` rounds of `calls` back-to-back calls (after a compile and `warmup` calls)."""
-    jax.block_until_ready(fn(*args))  # compile
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    rounds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        rounds.append((time.perf_counter() - start) / calls)
-    return rounds
-
-
-def alternating(names: Sequence[Hashable], rounds: int) -> Iterator[Hashable]:
-    """`names` in order on even rounds and reversed on odd ones, `rounds` times (see `interleaved`)."""
-    for r in range(rounds):
-        yield from (names if r % 2 == 0 else names[::-1])
-
-
-def interleaved(candidates: dict[Hashable, tuple[Callable, tuple]], *, calls: int, rounds: int,
-                warmup: int) -> dict[Hashable, list[float]]:
-    """Per-call seconds of each candidate `fn(*args)` over `rounds` rounds; a round times every
-    candidate once (`time_call`, `calls` calls after `warmup`), in the given order on even rounds
-    and reversed on odd ones. Interleaving spreads clock and thermal drift over every candidate;
-    reversing makes each one follow each neighbour, because a candidate timed right after another
-    runs in the state the other left: in one program, cuDNN's forward measured 1.084-1.097 ms right
-    after pallas_gpu's and 1.042-1.050 otherwise
-    (H200, benchmarks/results/attention_H200_2026-11-25_in_program_order_effect.json)."""
-    times = {name: [] for name in candidates}
-    for name in alternating(list(candidates), rounds):
-        fn, args = candidates[name]
-        times[name] += time_call(fn, args, calls=calls, reps=1, warmup=warmup)
-    return times
-
-
-def paired_ratios(anchor: Sequence[float], other: Sequence[float]) -> list[float]:
-    """anchor / other round by round: the paired statistic (both timed within one round, so the
-    clock and power drift between rounds cancels); its median is what docs/performance.md reports."""
-    return [a / b for a, b in zip(anchor, other)]
-
-
-def temp_bytes(fn, args) -> float | None:
-    """Temporary memory of `fn`'s compiled executable (excludes arguments and outputs)."""
-    try:
-        return float(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 - not every backend/runtime reports it
-        return None
-
-
-def copy_bandwidth(calls: int, reps: int) -> float:
-    """Bytes/s of a large device copy (read + write): the memory floor's ceiling."""
-    n = (1 << 28) if jax.default_backend() != "cpu" else (1 << 24)
-    x = jnp.arange(n, dtype=jnp.float32)
-    rounds = time_call(jax.jit(lambda a: a * 1.0001), (x,), calls=calls, reps=reps)
-    return 2 * 4 * n / statistics.median(rounds)
-
 
 def kernel_times(fn, args, iterations: int) -> dict[str, float]:
     """Median GPU ms per kernel name of `fn(*args)` over `iterations` calls (CUPTI, through Mosaic

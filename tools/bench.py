@@ -24,16 +24,15 @@ import os
 import platform as host_platform
 import statistics
 import sys
-import time
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_specs  # noqa: E402  (a sibling module, also when run as a plain script)
 
 from forgeax import core as interface  # noqa: E402
+from forgeax.core.timing import copy_bandwidth, interleaved, temp_bytes, time_call  # noqa: E402,F401
 
 # The device nodes by which JAX decides that an NVIDIA GPU is visible (jax/_src/hardware_utils.py,
 # has_visible_nvidia_gpu): without one of them JAX never starts its CUDA backend.
@@ -91,64 +90,6 @@ class Timing:
     # paired statistic: both were timed within one round, so clock drift between rounds cancels).
     rounds_ms: tuple[float, ...] = ()
     speedup_vs_anchor_rounds: tuple[float, ...] = ()
-
-
-def time_call(fn, args, *, calls: int, reps: int, warmup: int = 2) -> list[float]:
-    """Per-call seconds of `reps` rounds of `calls` back-to-back calls."""
-    jax.block_until_ready(fn(*args))  # compile
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    rounds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        rounds.append((time.perf_counter() - start) / calls)
-    return rounds
-
-
-def alternating(names: Sequence[Hashable], rounds: int) -> Iterator[Hashable]:
-    """`names` in order on even rounds and reversed on odd ones, `rounds` times (see `interleaved`)."""
-    for r in range(rounds):
-        yield from (names if r % 2 == 0 else names[::-1])
-
-
-def interleaved(candidates: dict[Hashable, tuple[Callable, tuple]], *, calls: int, rounds: int,
-                warmup: int) -> dict[Hashable, list[float]]:
-    """Per-call seconds of each candidate `fn(*args)` over `rounds` rounds; a round times every
-    candidate once (`time_call`, `calls` calls after `warmup`), in the given order on even rounds
-    and reversed on odd ones. Interleaving spreads clock and thermal drift over every candidate;
-    reversing makes each one follow each neighbour, because a candidate timed right after another
-    runs in the state the other left: in one program, cuDNN's forward measured 1.084-1.097 ms right
-    after pallas_gpu's and 1.042-1.050 otherwise (H200, benchmarks/results/attention_H200_2026-11-25_in_program_order_effect.json)."""
-    times = {name: [] for name in candidates}
-    for name in alternating(list(candidates), rounds):
-        fn, args = candidates[name]
-        times[name] += time_call(fn, args, calls=calls, reps=1, warmup=warmup)
-    return times
-
-
-def temp_bytes(fn, args) -> float | None:
-    """Temporary memory of `fn`'s compiled executable (excludes arguments and outputs)."""
-    try:
-        return float(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 - not every backend/runtime reports it
-        return None
-
-
-def copy_bandwidth(calls: int, reps: int) -> float | None:
-    """Bytes/s of a large device copy (read + write), the memory ceiling; None on the CPU.
-
-    On the CPU a copy rate is no ceiling: a call whose data fits in the caches outruns a large
-    copy to and from DRAM (rms_norm's small forward ran at 459% of it), and a copy small enough
-    to stay in cache would be no ceiling for the calls that do not fit."""
-    if interface.current_platform() == "cpu":
-        return None
-    n = 1 << 28
-    x = jnp.arange(n, dtype=jnp.float32)
-    rounds = time_call(jax.jit(lambda a: a * 1.0001), (x,), calls=calls, reps=reps)
-    return 2 * 4 * n / statistics.median(rounds)
 
 
 def checked_fractions(results: list[Timing], ceiling: float | None) -> tuple[list[Timing], str | None]:
