@@ -11,6 +11,7 @@ from forgeax.ops import checks
 _BACKENDS = {
     "xla": "forgeax.kernels.xla.gated_mlp:GATED_MLP",
     "triton": "forgeax.kernels.triton.gated_mlp:GATED_MLP",
+    "pallas_gpu": "forgeax.kernels.pallas.gpu.gated_mlp:GATED_MLP",
     "pallas_tpu": "forgeax.kernels.pallas.tpu.gated_mlp:GATED_MLP",
 }
 
@@ -81,8 +82,8 @@ def gated_mlp(
       w_up: `[K, N]` up projection, or None with a fused w_gate.
       w_down: `[N, K_out]` down projection, or None to return h.
       activation: "silu" (SwiGLU), "gelu" (exact, erf), "gelu_tanh" (tanh approximation) or "relu".
-      backend: None (best for this device), "xla", "triton", "pallas", "pallas_tpu", or a
-        user-registered name.
+      backend: None (best for this device), "xla", "triton", "pallas", "pallas_gpu" (Hopper;
+        bf16/f16 with K and N multiples of 64), "pallas_tpu", or a user-registered name.
       config: a kernel config of the chosen backend (its `config_type`), or None.
 
     All arrays share x's dtype. Products accumulate in f32; h is rounded to x's dtype before

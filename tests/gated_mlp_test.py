@@ -68,6 +68,19 @@ def test_fused_weight_matches_reference(backend, dtype, down):
     conformance.assert_conforms(_case((19,), 72, 40, down, DTYPES[dtype], fused=True, seed=11), backend)
 
 
+# K and N multiples of 64 (what the Mosaic GPU wgmma kernel takes), bf16, one activation and weight
+# form each: rows off the 128-row tile, several K steps, several column tiles, one tiny case.
+ALIGNED = [((17,), 128, 192, 64, "silu", False), ((2, 150), 64, 128, None, "gelu", True),
+           ((5,), 320, 64, 64, "gelu_tanh", True), ((130,), 64, 64, None, "relu", False)]
+
+
+@pytest.mark.parametrize("case", ALIGNED, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wgmma_aligned_shapes_match_reference_bf16(backend, case):
+    *shape, activation, fused = case
+    conformance.assert_conforms(_case(*shape, jnp.bfloat16, activation=activation, fused=fused, seed=13), backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_f16_gelu_tanh_matches_reference(backend):
     conformance.assert_conforms(_case((9,), 32, 24, 16, jnp.float16, activation="gelu_tanh", seed=5), backend)
