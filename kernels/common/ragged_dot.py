@@ -1,0 +1,107 @@
+"""Shared pieces of the ragged (grouped) matmul backends.
+
+    out[r] = lhs[r] @ rhs[g(r)]          r in group g's rows, 0 for rows past sum(group_sizes)
+    tr[g]  = lhs[rows of g]^T @ dout[rows of g]      (ragged_dot_transposed, [G, K, N])
+
+Groups are consecutive row ranges of lhs: group g holds rows [offset_g, offset_g + size_g),
+offset_g = size_0 + ... + size_{g-1}. A group_sizes sum past M is clipped at M (jax.lax.ragged_dot
+leaves it undefined).
+
+`RaggedDotSpec` is the normalised option set; `row_tiles` builds, on device, the tile table the
+grouped-GEMM kernels walk (each group's rows cut into BLOCK_M tiles, empty groups get none, the
+rows past the sum form one more "group" G whose tiles are written as zeros);
+`differentiable_ragged_dot` is the custom_vjp shell of a kernel backend:
+
+    d lhs = ragged_dot(dout, rhs^T)     (the forward kernel with rhs read transposed)
+    d rhs = ragged_dot_transposed(lhs, dout)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotSpec:
+    """out_dtype: the result's dtype name (preferred_element_type, else lhs's dtype)."""
+
+    out_dtype: str
+
+
+def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """(starts, ends) of each group's rows, int32 [G], clipped to [0, M]."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends
+
+
+def max_row_tiles(m: int, g: int, block_m: int) -> int:
+    """An upper bound on the row tiles of any group_sizes: each group (and the tail) adds at most
+    one partial tile to cdiv(M, block_m)."""
+    return -(-m // block_m) + g + 1
+
+
+def row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The tile table: (group [T], row start [T], row end [T], number of tiles [1]), int32.
+
+    T = max_row_tiles(...); entries past the number of tiles are never read. Tile t covers rows
+    [start, end) (end - start <= block_m) of group `group` (G: the zero tail)."""
+    g = group_sizes.shape[0]
+    starts, ends = group_bounds(group_sizes, m)
+    starts = jnp.concatenate([starts, ends[-1:]])  # the tail rows [sum, M) as group G
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    tiles = (ends - starts + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles).astype(jnp.int32)
+    t = jnp.arange(max_row_tiles(m, g, block_m), dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g).astype(jnp.int32)
+    first = tile_end[group] - tiles[group]
+    row0 = starts[group] + (t - first) * block_m
+    row1 = jnp.minimum(row0 + block_m, ends[group])
+    return group, row0.astype(jnp.int32), row1.astype(jnp.int32), tile_end[-1:]
+
+
+def differentiable_ragged_dot(forward, transposed):
+    """(ragged_dot, ragged_dot_transposed) with custom VJPs from two kernels:
+
+    forward(lhs, rhs, group_sizes, *, out_dtype, config, transpose_rhs) -> [M, N] (or [M, K]
+    with rhs read as [G, N, K]); transposed(lhs, dout, group_sizes, *, out_dtype, config) ->
+    [G, K, N]."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def ragged_dot(lhs, rhs, group_sizes, out_dtype, config):
+        return forward(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config, transpose_rhs=False)
+
+    def ragged_dot_fwd(lhs, rhs, group_sizes, out_dtype, config):
+        return ragged_dot(lhs, rhs, group_sizes, out_dtype, config), (lhs, rhs, group_sizes)
+
+    def ragged_dot_bwd(out_dtype, config, residuals, dout):
+        del out_dtype
+        lhs, rhs, group_sizes = residuals
+        dout = dout.astype(lhs.dtype)
+        dlhs = forward(dout, rhs, group_sizes, out_dtype=lhs.dtype, config=config, transpose_rhs=True)
+        drhs = transposed(lhs, dout, group_sizes, out_dtype=rhs.dtype, config=config)
+        return dlhs, drhs, None
+
+    ragged_dot.defvjp(ragged_dot_fwd, ragged_dot_bwd)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def ragged_dot_t(lhs, dout, group_sizes, out_dtype, config):
+        return transposed(lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
+
+    def ragged_dot_t_fwd(lhs, dout, group_sizes, out_dtype, config):
+        return ragged_dot_t(lhs, dout, group_sizes, out_dtype, config), (lhs, dout, group_sizes)
+
+    def ragged_dot_t_bwd(out_dtype, config, residuals, dt):
+        del out_dtype
+        lhs, dout, group_sizes = residuals
+        dt = dt.astype(lhs.dtype)
+        dlhs = forward(dout.astype(lhs.dtype), dt, group_sizes, out_dtype=lhs.dtype, config=config, transpose_rhs=True)
+        ddout = forward(lhs, dt, group_sizes, out_dtype=dout.dtype, config=config, transpose_rhs=False)
+        return dlhs, ddout, None
+
+    ragged_dot_t.defvjp(ragged_dot_t_fwd, ragged_dot_t_bwd)
+    return ragged_dot, ragged_dot_t
