@@ -26,6 +26,7 @@ from forgeax.ops.gated_mlp import gated_mlp
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
 from forgeax.ops.newton_schulz import newton_schulz
 from forgeax.ops.norms import layer_norm, rms_norm
+from forgeax.ops.ragged_dot import ragged_dot, ragged_dot_transposed
 from forgeax.ops.rope import Llama3Scaling, rope, rope_qk
 from forgeax.ops.ring_attention import from_zigzag, pad_to_ring, ring_attention, to_zigzag
 
@@ -51,6 +52,8 @@ __all__ = [
     "linear_cross_entropy",
     "newton_schulz",
     "pad_to_ring",
+    "ragged_dot",
+    "ragged_dot_transposed",
     "register_backend",
     "ring_attention",
     "rms_norm",
