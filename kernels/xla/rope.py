@@ -1,7 +1,7 @@
 """Rotary position embedding reference: plain jax.numpy, f32 math.
 
 x: [B, T, N, H]; positions: [B, T] integers. Per head vector, the pairs (a_i, b_i)
-(kernels/common/rope.py: half-split or interleaved) rotate by angle = f32(p) * inv_freq[i]:
+(half-split: a = x[:R/2], b = x[R/2:R]; interleaved: a = x[0:R:2], b = x[1:R:2]) rotate by angle = f32(p) * inv_freq[i]:
 
     a' = a cos - b sin,   b' = b cos + a sin
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from forgeax.core.registry import Implementation
-from forgeax.kernels.common.rope import RopeSpec, inverse_frequencies, pair_indices
+from forgeax.kernels.common.rope import RopeSpec, inverse_frequencies
 
 
 def cos_sin(positions: Integer[Array, "B T"], spec: RopeSpec) -> tuple[Array, Array]:
@@ -25,11 +25,18 @@ def cos_sin(positions: Integer[Array, "B T"], spec: RopeSpec) -> tuple[Array, Ar
 
 
 def _rotate(x: Array, cos: Array, sin: Array, spec: RopeSpec) -> Array:
-    first, second = pair_indices(spec)
+    r, half = spec.rotary_dim, spec.half
     x32 = x.astype(jnp.float32)
-    a, b = x32[..., first], x32[..., second]
-    out = x32.at[..., first].set(a * cos - b * sin).at[..., second].set(b * cos + a * sin)
-    return out.astype(x.dtype)
+    if spec.interleaved:
+        a, b = x32[..., 0:r:2], x32[..., 1:r:2]
+    else:
+        a, b = x32[..., :half], x32[..., half:r]
+    a, b = a * cos - b * sin, b * cos + a * sin
+    if spec.interleaved:
+        rotated = jnp.stack([a, b], axis=-1).reshape(*x.shape[:-1], r)
+    else:
+        rotated = jnp.concatenate([a, b], axis=-1)
+    return jnp.concatenate([rotated, x32[..., r:]], axis=-1).astype(x.dtype)
 
 
 def rope(x: Float[Array, "B T N H"], positions: Integer[Array, "B T"], *, spec: RopeSpec) -> Float[Array, "B T N H"]:

@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
+from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.rope import RopeSpec, inverse_frequencies, pair_indices
 
 _F32 = jnp.float32
@@ -61,7 +62,7 @@ def heuristic_config(q, *args, spec: RopeSpec, **kwargs) -> RopeTpuConfig:
 
 def candidate_configs(q, *args, spec: RopeSpec, **kwargs) -> list[RopeTpuConfig]:
     base = heuristic_config(q, *args, spec=spec, **kwargs)
-    return [base, RopeTpuConfig(block_tokens=max(8, base.block_tokens // 2)), RopeTpuConfig(block_tokens=base.block_tokens * 2)]
+    return [base, RopeTpuConfig(block_tokens=max(8, base.block_tokens // 2 // 8 * 8)), RopeTpuConfig(block_tokens=base.block_tokens * 2)]
 
 
 def _lanes(spec: RopeSpec, h: int) -> np.ndarray:
@@ -112,15 +113,20 @@ def _rotate(arrays, positions, *, spec: RopeSpec, config: RopeTpuConfig, inverse
 
 @functools.cache
 def _differentiable(spec: RopeSpec, config: RopeTpuConfig, n_arrays: int):
+    def rotate(arrays, positions, inverse):
+        # vmap folds into the batch axis: one kernel over more tokens.
+        launch = functools.partial(_rotate, spec=spec, config=config, inverse=inverse)
+        return fold_vmap_into_rows(launch, row_args=(0, 1))(arrays, positions)
+
     @jax.custom_vjp
     def run(arrays, positions):
-        return _rotate(arrays, positions, spec=spec, config=config, inverse=False)
+        return rotate(arrays, positions, False)
 
     def run_fwd(arrays, positions):
         return run(arrays, positions), positions
 
     def run_bwd(positions, cotangents):
-        grads = _rotate(tuple(cotangents), positions, spec=spec, config=config, inverse=True)
+        grads = rotate(tuple(cotangents), positions, True)
         return tuple(grads), None  # integer positions: no gradient
 
     run.defvjp(run_fwd, run_bwd)
