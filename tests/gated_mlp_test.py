@@ -7,6 +7,9 @@ runs the real kernels: `pytest tests/gated_mlp_test.py` against the installed wh
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +87,18 @@ def test_wgmma_aligned_shapes_match_reference_bf16(backend, case):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_f16_gelu_tanh_matches_reference(backend):
     conformance.assert_conforms(_case((9,), 32, 24, 16, jnp.float16, activation="gelu_tanh", seed=5), backend)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "triton"])
+def test_saved_preactivations_match_reference(backend, fused):
+    # The other residual trade: the forward writes [gate | up], the backward skips its recompute.
+    from forgeax.kernels.triton.gated_mlp import GatedMLPConfig
+
+    case = _case((2, 21), 80, 72, 40, jnp.bfloat16, activation="gelu", fused=fused, seed=17)
+    config = GatedMLPConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1, save_preactivations=True)
+    case = dataclasses.replace(case, public=functools.partial(ops.gated_mlp, config=config))
+    conformance.assert_conforms(case, backend)
 
 
 def test_fused_weight_equals_separate_weights():

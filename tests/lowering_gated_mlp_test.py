@@ -97,6 +97,23 @@ def test_triton_candidate_configs_lower():
         assert text.count("triton_kernel_call") == 1, config
 
 
+@pytest.mark.skipif(_TRITON_INTERPRET, reason="cross-lowering needs compiled Triton kernels: unset TRITON_INTERPRET")
+def test_triton_saved_preactivations_lower():
+    from forgeax.kernels.triton import gated_mlp as triton_gated_mlp
+
+    impl = triton_gated_mlp.GATED_MLP
+    x, wg, wu, wd = _args(*CASES[1])
+    spec = GatedMLPSpec()
+    config = impl.heuristic_config(x, wg, wu, wd, spec=spec).replace(save_preactivations=True)
+
+    def fwd_bwd(x, wg, wu, wd, ct):
+        out, pullback = jax.vjp(lambda *a: impl.fn(*a, spec=spec, config=config), x, wg, wu, wd)
+        return out, pullback(ct)
+
+    text = conformance.lowered_text(fwd_bwd, x, wg, wu, wd, _cotangent(x, wd, CASES[1][2]), platform="cuda")
+    assert text.count("triton_kernel_call") == 1  # the saving forward only: no recompute kernel
+
+
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_pallas_tpu_forward_and_backward_lower_for_tpu(case):
     from forgeax.kernels.pallas.tpu import gated_mlp as tpu_gated_mlp

@@ -16,7 +16,12 @@ gate. A backend supplies two kernels:
 Around them, XLA's dots (f32 accumulation) do the plain products of the backward:
 dh = dy @ w_down^T, dw_down = h^T @ dy, and with W = [w_gate | w_up] as `[K, 2N]`,
 dx = dpre @ W^T and dW = x^T @ dpre: one GEMM each over the concatenated gate/up axis.
-Nothing of width 2N is kept between forward and backward: the residuals are the inputs.
+By default nothing of width 2N is kept between forward and backward (the residuals are the
+inputs), at the price of recomputing the two gate/up products: 8 matmul passes for fwd+bwd
+where 6 are the minimum. A backend may offer the other trade, chosen by its config's
+`save_preactivations`: a `forward_saving(...) -> (h, pre [M, 2N])` kernel whose epilogue also
+writes [gate | up] under differentiation, and the backward forms dpre from `pre` in one XLA
+elementwise fusion (no recompute; 2MN more elements of memory held for the backward).
 """
 
 from __future__ import annotations
@@ -110,32 +115,51 @@ Forward = Callable[..., jax.Array]
 Backward = Callable[..., tuple[jax.Array, jax.Array | None]]
 
 
-def differentiable_gated_mlp(forward: Forward, backward: Backward) -> Callable[..., jax.Array]:
+def _from_preactivations(pre, dh, activation, want_h):
+    """(dpre [M, 2N], h or None) from the saved [gate | up]: one XLA elementwise fusion."""
+    n = dh.shape[1]
+    gate, up = pre[:, :n].astype(jnp.float32), pre[:, n:].astype(jnp.float32)
+    a, da = activate_and_derivative(gate, activation)
+    d = dh.astype(jnp.float32)
+    dpre = jnp.concatenate([d * up * da, d * a], axis=1).astype(dh.dtype)
+    return dpre, (a * up).astype(dh.dtype) if want_h else None
+
+
+def differentiable_gated_mlp(forward: Forward, backward: Backward,
+                             forward_saving: Callable[..., tuple[jax.Array, jax.Array]] | None = None) -> Callable[..., jax.Array]:
     """`fn(x, w_gate, w_up, w_down, *, spec, config)`: the op with a custom_vjp around a backend's
-    two kernels (module docstring). `w_up` None = fused `[K, 2, N]` w_gate; `w_down` may be None."""
+    kernels (module docstring). `w_up` None = fused `[K, 2, N]` w_gate; `w_down` may be None.
+    `forward_saving` (optional) runs under differentiation when `config.save_preactivations`."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
     def run(x, w_gate, w_up, w_down, spec, config):
-        return _forward(x, w_gate, w_up, w_down, spec, config)[0]
+        return _forward(x, w_gate, w_up, w_down, spec, config, save=False)[0]
 
-    def _forward(x, w_gate, w_up, w_down, spec, config):
+    def _forward(x, w_gate, w_up, w_down, spec, config, save):
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        h = forward(x2, w_gate, w_up, activation=spec.activation, config=config)
+        if save:
+            h, pre = forward_saving(x2, w_gate, w_up, activation=spec.activation, config=config)
+        else:
+            h, pre = forward(x2, w_gate, w_up, activation=spec.activation, config=config), None
         y = h if w_down is None else matmul(h, w_down)
-        return y.reshape(*lead, y.shape[-1]), (x, w_gate, w_up, w_down)
+        return y.reshape(*lead, y.shape[-1]), (x, w_gate, w_up, w_down, pre)
 
     def fwd(x, w_gate, w_up, w_down, spec, config):
-        return _forward(x, w_gate, w_up, w_down, spec, config)
+        save = forward_saving is not None and bool(getattr(config, "save_preactivations", False))
+        return _forward(x, w_gate, w_up, w_down, spec, config, save)
 
     def bwd(spec, config, residuals, dy):
-        x, w_gate, w_up, w_down = residuals
+        x, w_gate, w_up, w_down, pre = residuals
         k = x.shape[-1]
         n = hidden_size(w_gate, w_up)
         x2 = x.reshape(-1, k)
         dy2 = dy.reshape(x2.shape[0], -1).astype(x.dtype)
         dh = dy2 if w_down is None else matmul(dy2, w_down, transpose_b=True)
-        dpre, h = backward(x2, w_gate, w_up, dh, activation=spec.activation, config=config, want_h=w_down is not None)
+        if pre is None:
+            dpre, h = backward(x2, w_gate, w_up, dh, activation=spec.activation, config=config, want_h=w_down is not None)
+        else:
+            dpre, h = _from_preactivations(pre, dh, spec.activation, w_down is not None)
         dw_down = None if w_down is None else matmul(h, dy2, transpose_a=True, out_dtype=w_down.dtype)
         # W = [w_gate | w_up] as [K, 2N]: free for the fused form, one weight-sized copy otherwise.
         w_cat = w_gate.reshape(k, 2 * n) if w_up is None else jnp.concatenate([w_gate, w_up], axis=1)

@@ -135,15 +135,19 @@ def _offsets(M: tl.constexpr, N: tl.constexpr, BIG: tl.constexpr,
 @triton.jit
 def _forward_kernel(
     X, WG, WU,  # x [M, K]; gate/up weights (fused: the same buffer twice)
-    H,  # out: h [M, N] in x's dtype
+    H, PRE,  # out: h [M, N] in x's dtype; [gate | up] [M, 2N] (written when STORE_PRE)
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr, UP_OFFSET: tl.constexpr,
-    ACT: tl.constexpr, DOT: tl.constexpr, BIG: tl.constexpr,
+    ACT: tl.constexpr, DOT: tl.constexpr, BIG: tl.constexpr, STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     rm, rn, om, on, store_mask = _offsets(M, N, BIG, BLOCK_M, BLOCK_N, GROUP_M)
     gate, up = _dual_gemm(X, WG, WU, rm, rn, K, W_STRIDE, UP_OFFSET, BLOCK_M, BLOCK_N, BLOCK_K, DOT)
     a, _ = _act(gate, ACT)
     tl.store(H + om[:, None] * N + on[None, :], (a * up).to(H.dtype.element_ty), mask=store_mask)
+    if STORE_PRE:
+        pre = PRE + om[:, None] * (2 * N) + on[None, :]
+        tl.store(pre, gate.to(PRE.dtype.element_ty), mask=store_mask)
+        tl.store(pre + N, up.to(PRE.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -175,6 +179,9 @@ class GatedMLPConfig(KernelConfig):
     block_m, block_n: the output tile (two f32 accumulators of this size per program);
     block_k: the K step; powers of two >= 16. group_m: row blocks per L2 group.
     num_warps, num_stages: Triton's launch width and software-pipelining depth.
+    save_preactivations: under differentiation the forward also writes [gate | up] (x's dtype,
+      [M, 2N]) for the backward, which then skips its dual GEMM (6 matmul passes for fwd+bwd
+      instead of 8, 2MN more elements held). Off: the `[M, 2N]` never reaches memory.
     """
 
     block_m: int = 128
@@ -183,6 +190,7 @@ class GatedMLPConfig(KernelConfig):
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    save_preactivations: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -228,7 +236,7 @@ def candidate_configs(x, w_gate, w_up, w_down=None, *, spec) -> list[GatedMLPCon
     """The search space: the heuristic and tiles around it (an autotuner times them on the GPU)."""
     m, n, k = _dims(x, w_gate, w_up)
     base = heuristic_config(x, w_gate, w_up, w_down, spec=spec)
-    out = [base]
+    out = [base, base.replace(save_preactivations=True)]
     for bm, bn, bk, warps, stages in ((128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (64, 128, 64, 4, 4), (128, 128, 32, 8, 4),
                                       (128, 128, 64, 8, 4), (256, 64, 64, 8, 3), (128, 256, 32, 8, 3), (64, 64, 64, 4, 5)):
         for group in (8, 16):
@@ -262,10 +270,21 @@ def _common(x, w_gate, w_up, activation, config):
     return (wg, wu), grid, cfg, meta
 
 
-def forward(x, w_gate, w_up, *, activation, config):
+def _forward(x, w_gate, w_up, activation, config, store_pre):
     (wg, wu), grid, cfg, meta = _common(x, w_gate, w_up, activation, config)
-    return triton_call(x, wg, wu, kernel=_forward_kernel, out_shape=jax.ShapeDtypeStruct((meta["M"], meta["N"]), x.dtype),
-                       grid=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+    m, n = meta["M"], meta["N"]
+    pre_shape = (m, 2 * n) if store_pre else (1, 1)  # a placeholder the kernel never writes
+    return triton_call(x, wg, wu, kernel=_forward_kernel,
+                       out_shape=(jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct(pre_shape, x.dtype)),
+                       grid=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages, STORE_PRE=store_pre, **meta)
+
+
+def forward(x, w_gate, w_up, *, activation, config):
+    return _forward(x, w_gate, w_up, activation, config, False)[0]
+
+
+def forward_saving(x, w_gate, w_up, *, activation, config):
+    return _forward(x, w_gate, w_up, activation, config, True)
 
 
 def backward(x, w_gate, w_up, dh, *, activation, config, want_h):
@@ -278,7 +297,7 @@ def backward(x, w_gate, w_up, dh, *, activation, config, want_h):
     return dpre, h if want_h else None
 
 
-_DIFFERENTIABLE = differentiable_gated_mlp(forward, backward)
+_DIFFERENTIABLE = differentiable_gated_mlp(forward, backward, forward_saving)
 
 
 def gated_mlp(x, w_gate, w_up, w_down=None, *, spec, config: GatedMLPConfig):
