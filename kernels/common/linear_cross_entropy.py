@@ -19,21 +19,16 @@ with respect to the logits); everything else is here:
     forward, so the forward keeps lse [N] and the backward reruns the loop
     with g scaled per row by the cotangent (4 matmuls in all, still chunked).
 
-dW accumulates across chunks in f32 when the weight is f32; otherwise in the
-weight's dtype (an f32 accumulator for a bf16 [4096, 128256] weight would be a
-2.1 GB temporary), as `dW + dot(x_c^T, g)`: on GPUs XLA fuses the add into the
-cuBLAS call (beta=1, f32 arithmetic, in place, as Liger-Kernel's addmm), so a
-bf16 dW sees one rounding per chunk (two on CPU, where the product is rounded
-before the add).
-The logits of a chunk are f32 (`ChunkKernels.f32_logits`, the XLA kernels), or
-stored in the matmul dtype after f32 accumulation (the Triton kernels, which
-then overwrite them with the gradient: half the bytes, twice the chunk).
-Tokens are padded to a multiple of C with ignored targets (zero loss, zero
-gradient). The options arrive as one LossSpec (kernels/common/losses.py) and
-reach the kernels unchanged, with the backend's kernel config. `axis_name` (vocabulary-parallel, weight and bias sharded over V):
-the kernels combine their row statistics with collectives, and each chunk's
-dx (a partial sum over the local vocabulary) is psum-ed, unless x is varying
-along the axis (or vma checking is off, when shard_map's transpose psums it).
+dW accumulates in f32 for an f32 weight, else in the weight's dtype as
+`dW + dot(x_c^T, g)`, which XLA GPU fuses into the cuBLAS call (beta=1, in
+place; an f32 accumulator for a bf16 [4096, 128256] weight would be 2.1 GB).
+A chunk's logits are f32 (`ChunkKernels.f32_logits`) or stored in the matmul
+dtype (Triton: then overwritten by the gradient, half the bytes). Tokens are
+padded to a multiple of C with ignored targets. The options arrive as one
+LossSpec and reach the kernels unchanged, with the backend's kernel config.
+`spec.axis_name` (vocabulary-parallel, W and b sharded over V): the kernels
+combine row statistics with collectives; each chunk's dx is psum-ed unless x
+varies along the axis (or vma checking is off: shard_map's transpose does it).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -60,3 +61,45 @@ def reduce_loss(loss: jax.Array, valid: jax.Array, reduction: str) -> jax.Array:
     if reduction == "sum":
         return total
     return total / jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- rows of logits
+# For backends that differentiate a chunk of logits [C, V_local] (f32) in closed form, targets
+# int32 [C] with -1 marking an ignored token. With spec.axis_name, V_local is this device's
+# contiguous slice of the vocabulary.
+
+
+def vocab_range(spec: LossSpec, local: int):
+    """(first global id of this shard, global vocabulary size)."""
+    if spec.axis_name is None:
+        return 0, local
+    return lax.axis_index(spec.axis_name) * local, local * lax.axis_size(spec.axis_name)
+
+
+def soft_capped(logits: jax.Array, spec: LossSpec):
+    """(z, tanh(l / cap) or None): the capped logits and what their derivative needs."""
+    if not spec.soft_cap:
+        return logits, None
+    th = jnp.tanh(logits / spec.soft_cap)
+    return spec.soft_cap * th, th
+
+
+def logits_grad(logits: jax.Array, t: jax.Array, lse: jax.Array, scale: jax.Array, spec: LossSpec, dtype) -> jax.Array:
+    """scale[:, None] * d loss_row / d logits in `dtype`, given each row's (global) lse:
+
+        (p_v (1 + 2 z_loss lse) - (1 - ls) [v == t] - ls / V) * (1 - (z_v / cap)^2),  p = exp(z - lse)
+
+    exact zeros on ignored rows, even for infinite logits."""
+    z, th = soft_capped(logits, spec)
+    local = z.shape[-1]
+    first, vocab = vocab_range(spec, local)
+    valid = (t >= 0)[:, None]
+    scale = jnp.where(t >= 0, scale, 0.0)[:, None]
+    hit = jnp.arange(local)[None, :] == (t - first)[:, None]
+    g = jnp.exp(z - lse[:, None]) * (scale * (1.0 + 2.0 * spec.z_loss * lse[:, None]))
+    g = g - jnp.where(hit, scale * (1.0 - spec.label_smoothing), 0.0)
+    if spec.label_smoothing:
+        g = g - scale * (spec.label_smoothing / vocab)
+    if th is not None:
+        g = g * (1.0 - th * th)
+    return jnp.where(valid, g, 0.0).astype(dtype)

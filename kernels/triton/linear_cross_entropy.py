@@ -10,15 +10,9 @@ over the logits in place, ready for the next two matmuls (dx_c = g @ W^T,
 dW += x_c^T @ g). For reduction="none" the backward reruns the loop with
 `_grad_kernel`, given lse and the per-row cotangent.
 
-Measured on one H200 (jax 0.11.2), x [8192, 4096], W [4096, 128256] bf16,
-mean loss, forward+backward: 40.3 ms (641 TFLOP/s over the 3 matmuls),
-0.61 GB of temporaries, default chunk 2048 tokens (0.5 GB of bf16 logits);
-XLA with the [N, V] logits materialised in bf16, same run: 41.2 ms, 6.3 GB;
-chunk 1024: 41.7 ms, 0.33 GB; f32 logits (+ a separate bf16 gradient) at
-chunk 1024: 42.5 ms, 0.80 GB. Per chunk of 1024 the parts were: logits
-matmul 1.53 ms, the Triton kernel (f32 logits) 0.34 ms, dx matmul 1.42 ms,
-dW += matmul 1.74 ms (the beta=1 read of dW), and once: scaling dW by the
-cotangent, 0.65 ms.
+Config: the row kernel's launch (`LinearCrossEntropyTritonConfig`). The default chunk
+(2048 tokens of bf16 logits at V=128256) and the in-place gradient are measured against
+XLA with materialised logits in benchmarks/results/linear_cross_entropy_H200_2026-11-22_bench.json.
 No vocabulary-parallel path (axis_name): that runs in "xla_chunked".
 """
 

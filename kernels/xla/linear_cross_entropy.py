@@ -11,7 +11,7 @@ cross-entropy of kernels/xla/cross_entropy.py (its docstring has the math).
   * `LINEAR_CROSS_ENTROPY_CHUNKED` ("xla_chunked"): the chunk loop of
     kernels/common/linear_cross_entropy.py (the per-chunk memory is the f32
     logits [C, V] and their gradient [C, V]) with the per-chunk cross-entropy
-    below, in closed form. Per row, z = cap * tanh(l / cap) (or l), t the
+    below and `losses.logits_grad`, in closed form. Per row, z = cap * tanh(l / cap) (or l), t the
     target, p = softmax(z), ls the label smoothing, V the global vocabulary:
 
         loss   = lse - (1 - ls) z_t - ls * mean_v(z_v) + z_loss * lse^2
@@ -29,7 +29,7 @@ from jax import lax
 from jaxtyping import Array, Float, Integer
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
-from forgeax.kernels.common.losses import LossSpec
+from forgeax.kernels.common.losses import LossSpec, logits_grad, soft_capped, vocab_range
 from forgeax.kernels.xla import cross_entropy as ce_reference
 from forgeax.core.registry import Implementation
 
@@ -57,26 +57,11 @@ LINEAR_CROSS_ENTROPY = Implementation(fn=linear_cross_entropy)
 # ----------------------------------------------------------------------------- the chunked variant
 
 
-def _vocab(spec: LossSpec, local: int):
-    """(first global id of this shard, global vocabulary size)."""
-    if spec.axis_name is None:
-        return 0, local
-    return lax.axis_index(spec.axis_name) * local, local * lax.axis_size(spec.axis_name)
-
-
-def _capped(logits, spec: LossSpec):
-    """(z, tanh(l / cap) or None)."""
-    if not spec.soft_cap:
-        return logits, None
-    th = jnp.tanh(logits / spec.soft_cap)
-    return spec.soft_cap * th, th
-
-
 def _loss(logits, t, spec: LossSpec, config=None):
     del config  # the XLA chunk kernels take none
-    z, _ = _capped(logits, spec)
+    z, _ = soft_capped(logits, spec)
     local = z.shape[-1]
-    first, vocab = _vocab(spec, local)
+    first, vocab = vocab_range(spec, local)
     m = jnp.max(z, axis=-1)
     if spec.axis_name is not None:
         m = lax.pmax(m, spec.axis_name)
@@ -99,19 +84,7 @@ def _loss(logits, t, spec: LossSpec, config=None):
 
 def _grad(logits, t, lse, scale, spec: LossSpec, config, dtype):
     del config
-    z, th = _capped(logits, spec)
-    local = z.shape[-1]
-    first, vocab = _vocab(spec, local)
-    valid = (t >= 0)[:, None]
-    scale = jnp.where(t >= 0, scale, 0.0)[:, None]
-    hit = jnp.arange(local)[None, :] == (t - first)[:, None]
-    g = jnp.exp(z - lse[:, None]) * (scale * (1.0 + 2.0 * spec.z_loss * lse[:, None]))
-    g = g - jnp.where(hit, scale * (1.0 - spec.label_smoothing), 0.0)
-    if spec.label_smoothing:
-        g = g - scale * (spec.label_smoothing / vocab)
-    if th is not None:
-        g = g * (1.0 - th * th)
-    return jnp.where(valid, g, 0.0).astype(dtype)  # exact zeros on ignored rows, even for inf logits
+    return logits_grad(logits, t, lse, scale, spec, dtype)
 
 
 def _loss_and_grad(logits, t, spec: LossSpec, config, dtype):

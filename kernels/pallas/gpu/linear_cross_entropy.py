@@ -1,53 +1,33 @@
 """Linear + cross-entropy on Hopper GPUs: a fused wgmma matmul + online-softmax Mosaic GPU kernel.
 
-Proven in Mosaic GPU's CPU interpreter (against the XLA reference) and by
-cross-lowering for cuda at the benchmark shape; the GPU conformance run and
-the benchmark (tools/bench.py) check it on the device.
+The chunk loop is kernels/common/linear_cross_entropy.py; this backend's ChunkKernels take a
+chunk's matmul operands (x_c [C, H], W [H, V], b [V] or None; `fused_matmul=True`) and compute
+the logits themselves. `_stats_call`, one plgpu.kernel on a grid (vocabulary splits S, row
+blocks of BM = 128 x config.warpgroups): each CTA owns BM rows and a run of BN-wide vocabulary
+tiles; per tile a TMA ring of config.stages slots feeds wgmma into a 128 x BN f32 accumulator per
+warpgroup, then the tile folds into per-row online statistics, in f32:
+    l = round_to_matmul_dtype(acc + b)      (as x @ W would be stored)
+    z = cap * tanh(l / cap)  (or l);        columns >= V masked out
+    m = running max,  s = sum exp(z - m),  zt = z[target],  zs = sum z
+and, when asked, l is stored to a [C, V] buffer (SMEM -> TMA). XLA combines the S splits'
+(m, s, zt, zs) (lse = M + log sum_s s_s exp(m_s - M)) into the loss of the XLA chunk kernels:
+    loss = lse - (1 - ls) zt - ls / V * zs + z_loss * lse^2   (0 if ignored)
 
-The chunk loop is kernels/common/linear_cross_entropy.py (its docstring has
-the algorithm). This backend's ChunkKernels take the matmul operands of a chunk,
-(x_c [C, H], W [H, V], b [V] or None), instead of its logits
-(`fused_matmul=True`), and compute the logits themselves, tile by tile:
+  * loss (forward only; "none"'s forward): no [C, V] buffer.
+  * loss_and_grad ("mean"/"sum"): the kernel also stores l; g = d loss / d l is one XLA
+    elementwise pass (`losses.logits_grad`, the "xla_chunked" closed form) fed to the dx/dW matmuls: 3 matmuls, one
+    [C, V] write, one read + write per chunk. Recomputing l to emit g directly would cost a 4th
+    matmul (+33% FLOPs) to save one [C, V] write, so it is not done.
+  * grad ("none"'s backward rerun): the kernel with the store, then the same pass, scaled.
+The statistics see the logits rounded to the matmul dtype, the values the gradient reads back,
+so loss and gradient agree (`f32_logits=False`, as in the Triton backend).
 
-  `_stats_call`, one plgpu.kernel, grid (vocabulary splits S, row blocks of
-  BM = 128 x config.warpgroups): each CTA owns BM rows (128 per compute
-  warpgroup; 2 warpgroups share each W tile in SMEM) and a contiguous run of
-  BN-wide vocabulary tiles. Per tile it runs the K = H loop (a TMA ring of
-  config.stages slots -> wgmma into a 128 x BN f32 accumulator per
-  warpgroup), then folds the tile into per-row online statistics, in f32:
-      l = round_to_matmul_dtype(acc + b)      (as x @ W would be stored)
-      z = cap * tanh(l / cap)  (or l);        columns >= V masked out
-      m = running max,  s = sum exp(z - m),  zt = z[target],  zs = sum z
-  and, when asked, stores l (bf16/f16) to a [C, V] logits buffer (SMEM -> TMA).
-  Each CTA writes its (m, s, zt, zs) partials ([S, 4, C] f32); XLA combines the
-  S splits (lse = M + log sum_s s_s exp(m_s - M)) and forms the loss exactly as
-  the XLA chunked kernels do:
-      loss = lse - (1 - ls) zt - ls / V * zs + z_loss * lse^2   (0 if ignored)
-
-  * loss (forward only; "none"'s forward): no [C, V] buffer at all.
-  * loss_and_grad ("mean"/"sum", gradient in the forward): the same kernel
-    also stores the logits; g = d loss / d logits is then one XLA elementwise
-    pass (read l, write g in the matmul dtype) with the closed form of the
-    "xla_chunked" kernels, fed to the XLA dx/dW matmuls. Per chunk: 3 matmuls,
-    one [C, V] write (logits), one read + one write (g). The Triton backend
-    does the same matmuls, but its row kernel reads the logits twice.
-  * grad ("none"'s backward rerun): the kernel with the store, then the same
-    elementwise pass with the given lse and per-row scale.
-A second fused kernel that recomputes the logits to emit g directly (no [C, V]
-logits write) would cost a 4th matmul per chunk (+33% FLOPs) for "mean"/"sum":
-not worth one [C, V] write, so it is not done.
-
-Rounding: the statistics are computed from the logits rounded to the matmul
-dtype, the values the gradient pass reads back, so loss and gradient are
-consistent (the semantics of `f32_logits=False`, as in the Triton backend).
-
-Scope: x and W both bf16 or both f16, H a multiple of 64 (the wgmma K step);
-any V (W and b are zero-padded to a multiple of BN only when V is not one, and
-the padded columns are masked), any number of tokens (rows padded to BM with
-ignored targets), every option of the op except axis_name (refused).
-The grid has about 4 CTAs per SM (`_splits`); with 160-220 KiB of SMEM one CTA
-runs per SM at a time, so the epilogue (exp/tanh over the tile) does not
-overlap the tensor cores: that and the tiling (`LinearCrossEntropyPallasGpuConfig`) are what to tune.
+Scope: x and W both bf16 or both f16, H a multiple of 64 (the wgmma K step); any V (W and b
+zero-padded to a multiple of BN only when needed, padded columns masked); any token count (rows
+padded with ignored targets); every option but axis_name. About 4 CTAs per SM (`_splits`); with
+160-220 KiB of SMEM one CTA runs per SM, so the exp/tanh epilogue does not overlap the tensor
+cores: that and the tiling (`LinearCrossEntropyPallasGpuConfig`) are what to tune. Proven in
+Mosaic GPU's CPU interpreter and by cross-lowering; the GPU conformance run checks the device.
 """
 
 from __future__ import annotations
@@ -61,8 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
-from forgeax.kernels.common.losses import LossSpec
-from forgeax.kernels.xla import linear_cross_entropy as xla_lce
+from forgeax.kernels.common.losses import LossSpec, logits_grad
 from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
 from forgeax.core.config import KernelConfig
@@ -356,12 +335,12 @@ def _loss(operands, t, spec, config):
 def _loss_and_grad(operands, t, spec, config, dtype):
     loss, lse, logits = _fused_logits(operands, t, spec, config, store=True)
     # One XLA elementwise pass (the convert fuses into it): g from the stored logits.
-    return loss, lse, xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, jnp.ones_like(lse), spec, None, dtype)
+    return loss, lse, logits_grad(logits.astype(_F32), t, lse, jnp.ones_like(lse), spec, dtype)
 
 
 def _grad(operands, t, lse, scale, spec, config, dtype):
     logits = _fused_logits(operands, t, spec, config, store=True)[2]
-    return xla_lce.CHUNK_KERNELS.grad(logits.astype(_F32), t, lse, scale, spec, None, dtype)
+    return logits_grad(logits.astype(_F32), t, lse, scale, spec, dtype)
 
 
 # The loop hands the kernels (x_c, W, b) instead of logits: the matmul happens inside them.

@@ -1,42 +1,31 @@
 """Cross-entropy as Mosaic TPU Pallas kernels (forward and backward).
 
-NOT RUN ON A TPU: no TPU was available while writing this. The numerics are
-proven in Pallas' TPU interpreter (`pltpu.InterpretParams()`, the conformance
-suite tests/cross_entropy_test.py under FORGEAX_INTERPRET=1) and the Mosaic
-lowering by cross-lowering on CPU (tests/lowering_pallas_tpu_cross_entropy_test.py).
-Block sizes (`CrossEntropyPallasTpuConfig`) are reasoned about (VMEM budget, grid-step
-count), not measured.
+NOT RUN ON A TPU: proven in Pallas' TPU interpreter (tests/cross_entropy_test.py under
+FORGEAX_INTERPRET=1) and by cross-lowering on CPU (tests/lowering_pallas_tpu_cross_entropy_test.py).
+The tile (`CrossEntropyPallasTpuConfig`) is reasoned about (VMEM budget, grid steps), not measured.
 
-logits are viewed as (N, V) rows, targets as an (N, 1) int32 column with -1
-marking an ignored token (ignore_index and out-of-range targets are mapped to
--1 by the wrapper). Per row, in f32, with z = cap * tanh(x / cap) or z = x:
+logits are viewed as (N, V) rows, targets as an (N, 1) int32 column, -1 marking an ignored
+token (the wrapper maps ignore_index and out-of-range targets to -1). Per row, in f32, with
+z = cap * tanh(x / cap) or z = x:
 
     lse  = m + log(sum_v exp(z_v - m)),  m = max_v z_v   (online, per vocab block)
     loss = lse - (1 - ls) * z_t - ls / V * sum_v z_v + z_loss * lse^2
     dloss/dx_v = s * (p_v * (1 + 2 z_loss lse) - (1 - ls) [v == t] - ls / V) * dz/dx
     with p_v = exp(z_v - lse), dz/dx = 1 - (z / cap)^2, s = the row's cotangent.
 
-Kernels, both on a grid (row blocks, vocab blocks) of (block_rows, block_v) tiles:
-  * `_fwd_kernel`: the vocabulary axis is "arbitrary" (sequential): the running
-    max, sum of exp, target logit and sum of z live in (block_rows, 1) f32 VMEM
-    scratch across vocab blocks; the last vocab block writes loss and lse
-    ((N, 1) f32 each). The logits are read once.
-  * `_bwd_kernel`: every tile is independent ("parallel", "parallel"): it
-    recomputes p from the saved lse and writes s * dloss/dx in the logits'
-    dtype. Residuals are (logits, targets, lse): read logits twice and write
-    the gradient once for forward + backward, the HBM floor.
-The reduction ("mean"/"sum") is XLA on the per-token losses (the shared
-`reduce_loss`), so the kernels only ever see per-token cotangents.
+Both kernels run on a grid (row blocks, vocab blocks) of (block_rows, block_v) tiles:
+  * `_fwd_kernel`: vocab axis "arbitrary" (sequential); running max, sum of exp, target logit
+    and sum of z in (block_rows, 1) f32 VMEM scratch; the last vocab block writes loss and lse.
+  * `_bwd_kernel`: every tile independent; recomputes p from the saved lse and writes
+    s * dloss/dx in the logits' dtype. Forward + backward read the logits twice and write
+    the gradient once, the HBM floor. The reduction is XLA on the per-token losses.
 
-TPU block rules: the last two block dims are multiples of (8, 128) or equal the
-array's. Rows: all N, or a multiple of 8 (f32) / 16 (bf16, f16). Vocabulary: all
-V when V <= block_v, else block_v (a multiple of 128); then the last vocab
-block reads past V (undefined values, NaN in the interpreter) and an iota mask
-(`where`, never a multiply: 0 * NaN is NaN) keeps those lanes out of every sum.
-Rows past N in a ragged last row block compute garbage whose writes are dropped.
-
-Not handled (`supports` says why, selection falls back to xla): `axis_name`
-(vocabulary-parallel); logits dtypes other than f32/bf16/f16.
+TPU block rules: the last two block dims are multiples of (8, 128) or equal the array's.
+Rows: all N, or a multiple of 8 (f32) / 16 (bf16, f16). Vocabulary: all V when V <= block_v,
+else block_v (a multiple of 128); the last vocab block then reads past V (NaN in the
+interpreter) and an iota mask (`where`, never a multiply: 0 * NaN is NaN) keeps those lanes
+out of every sum. Rows past N in a ragged row block compute garbage whose writes are dropped.
+`supports` refuses axis_name (vocabulary-parallel) and dtypes other than f32/bf16/f16.
 """
 
 from __future__ import annotations
