@@ -1,0 +1,202 @@
+"""`auto` backends by measurement, and the kernel report.
+
+For each op the model calls, `op_case` builds its arguments at the model's real shapes and a
+jitted forward+backward. `choose` times every backend that runs natively on this platform (no
+interpreters) and keeps the fastest; the choice is cached in a JSON file keyed by device kind,
+op, shapes and dtype, so the next run with the same model skips the measurement. On a CPU only
+the XLA backends run. `report` compares each chosen backend with the XLA reference: time,
+speedup and compiled temporary memory of the op, and of the whole train step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from forgeax import ops
+from forgeax.core import current_device_kind, current_platform
+
+from .config import OPS, ModelConfig
+
+
+def _rand(key, shape, dtype, scale=1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def op_case(name: str, cfg: ModelConfig, batch: int) -> tuple[Callable[[str | None], Callable], tuple]:
+    """(make, args): make(backend) is a scalar function of args calling op `name` once (the OPS
+    key) at the model's shapes; differentiate it for fwd+bwd."""
+    dt = jnp.dtype(cfg.dtype)
+    B, T, D, H = batch, cfg.seq_len, cfg.d_model, cfg.head_dim
+    k = iter(jax.random.split(jax.random.PRNGKey(7), 4))
+    f32 = lambda y: jnp.sum(y.astype(jnp.float32))  # noqa: E731
+    if name == "norm":
+        args = (_rand(next(k), (B, T, D), dt), _rand(next(k), (D,), dt))
+        return (lambda b: lambda x, s: f32(ops.rms_norm(x, s, eps=cfg.norm_eps, backend=b))), args
+    if name == "residual_norm":
+        args = (_rand(next(k), (B, T, D), dt), _rand(next(k), (B, T, D), dt), _rand(next(k), (D,), dt))
+        return (lambda b: lambda x, r, s: sum(map(f32, ops.add_rms_norm(x, r, s, eps=cfg.norm_eps, backend=b)))), args
+    if name == "rope":
+        args = (_rand(next(k), (B, T, cfg.n_heads, H), dt), _rand(next(k), (B, T, cfg.n_kv_heads, H), dt))
+        pos = jnp.arange(T, dtype=jnp.int32)
+        return (lambda b: lambda q, kk: sum(map(f32, ops.rope_qk(q, kk, pos, theta=cfg.rope_theta, backend=b)))), args
+    if name == "attention":
+        args = (_rand(next(k), (B, T, cfg.n_heads, H), dt), _rand(next(k), (B, T, cfg.n_kv_heads, H), dt),
+                _rand(next(k), (B, T, cfg.n_kv_heads, H), dt))
+        return (lambda b: lambda q, kk, v: f32(ops.attention(q, kk, v, causal=True, backend=b))), args
+    if name == "mlp":
+        s = D ** -0.5
+        args = (_rand(next(k), (B * T, D), dt), _rand(next(k), (D, cfg.d_ff), dt, s), _rand(next(k), (D, cfg.d_ff), dt, s),
+                _rand(next(k), (cfg.d_ff, D), dt, cfg.d_ff ** -0.5))
+        return (lambda b: lambda x, g, u, d: f32(ops.gated_mlp(x, g, u, d, activation="silu", backend=b))), args
+    if name == "loss":
+        targets = jax.random.randint(next(k), (B * T,), 0, cfg.vocab)
+        args = (_rand(next(k), (B * T, D), dt), _rand(next(k), (D, cfg.vocab), dt, D ** -0.5))
+        return (lambda b: lambda x, w: ops.linear_cross_entropy(x, w, targets, backend=b)), args
+    raise ValueError(f"op: unknown {name!r}; expected one of {list(OPS)}")
+
+
+def fwd_bwd(make, args, backend: str | None):
+    f = make(backend)
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(args)))))
+
+
+def measure(fn, args, reps: int = 5) -> tuple[float, int | None]:
+    """(median seconds per call, compiled temporary bytes) of jitted `fn` at `args`."""
+    compiled = fn.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), temp
+
+
+def native_backends(name: str) -> list[str]:
+    """Backends of the op that run natively here (xla first)."""
+    op = ops.OPS[OPS[name]]
+    platform = current_platform()
+    out = []
+    for b in op.backends:
+        impl = op.implementation(b)
+        if not isinstance(impl, str) and platform in impl.platforms:
+            out.append(b)
+    return sorted(out, key=lambda b: b != "xla")
+
+
+def cache_path() -> Path:
+    root = os.environ.get("FORGEAX_LLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "forgeax")
+    return Path(root) / "llm_auto_backends.json"
+
+
+def _cache_key(name: str, args) -> str:
+    shapes = ",".join(f"{a.dtype.name}{list(a.shape)}" for a in args)
+    return f"{current_device_kind()}|{OPS[name]}|{shapes}"
+
+
+def choose(name: str, cfg: ModelConfig, batch: int, *, cache: Path | None = None, log=print) -> tuple[str, dict]:
+    """The fastest native backend for op `name` at the model's shapes: (backend, record)."""
+    cache = cache or cache_path()
+    make, args = op_case(name, cfg, batch)
+    key = _cache_key(name, args)
+    table = json.loads(cache.read_text()) if cache.exists() else {}
+    if key in table:
+        return table[key]["backend"], table[key]
+    times = {}
+    for b in native_backends(name):
+        try:
+            times[b] = measure(fwd_bwd(make, args, b), args, reps=3)[0]
+        except Exception as e:  # noqa: BLE001 - unsupported at these shapes or failed to compile: skip it
+            log(f"  auto {name}: {b} skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    best = min(times, key=times.get)
+    record = {"backend": best, "seconds_fwd_bwd": times}
+    table[key] = record
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(cache)
+    return best, record
+
+
+def resolve(settings: dict[str, str], cfg: ModelConfig, batch: int, *, cache: Path | None = None, log=print) -> dict[str, str | None]:
+    """OPS key -> backend for the model: "auto" measured (and cached), any other name passed on."""
+    out = {}
+    for name, setting in settings.items():
+        if setting == "auto":
+            out[name], _ = choose(name, cfg, batch, cache=cache, log=log)
+        elif setting in (None, "default"):
+            out[name] = None  # forgeax's own selection (rules + priority)
+        else:
+            out[name] = setting
+    return out
+
+
+def report(loss_fn, params, batch_arrays, backends: dict[str, str | None], cfg: ModelConfig, batch: int) -> list[dict]:
+    """Per op: the backend that ran (forgeax.explain on the step's gradient), its fwd+bwd time and
+    temp bytes against backend="xla" at the model's shapes; then the whole step's temp bytes."""
+    grad = jax.grad(loss_fn)
+    explanation = ops.explain(lambda p: grad(p, *batch_arrays, cfg, backends), params)
+    ran: dict[str, set] = {}
+    for d in explanation.decisions:
+        ran.setdefault(d.op, set()).add(d.backend)
+    rows = []
+    for name, op_name in OPS.items():
+        make, args = op_case(name, cfg, batch)
+        chosen = sorted(ran.get(op_name, {backends[name] or "xla"}))
+        t_x, m_x = measure(fwd_bwd(make, args, "xla"), args)
+        if chosen == ["xla"]:
+            t_c, m_c = t_x, m_x
+        else:
+            t_c, m_c = measure(fwd_bwd(make, args, chosen[0]), args)
+        rows.append({"op": name, "forgeax_op": op_name, "backend": "+".join(chosen), "calls": sum(
+            1 for d in explanation.decisions if d.op == op_name), "seconds": t_c, "xla_seconds": t_x,
+            "speedup": t_x / t_c if t_c else None, "temp_bytes": m_c, "xla_temp_bytes": m_x})
+    step = jax.jit(jax.value_and_grad(loss_fn), static_argnums=(3, 4))
+    xla_all = {k: "xla" for k in backends}
+
+    def temp(b):
+        mem = step.lower(params, *batch_arrays, cfg, _Frozen(b)).compile().memory_analysis()
+        return getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+
+    m_step, m_step_x = temp(backends), temp(xla_all)
+    rows.append({"op": "train step", "forgeax_op": "", "backend": "as chosen", "calls": len(explanation.decisions),
+                 "seconds": None, "xla_seconds": None, "speedup": None, "temp_bytes": m_step, "xla_temp_bytes": m_step_x})
+    return rows
+
+
+class _Frozen(dict):
+    """A hashable dict (a static jit argument)."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
+def frozen(d: dict) -> _Frozen:
+    return _Frozen(d)
+
+
+def print_report(rows: list[dict], console=None) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    console = console or Console()
+    t = Table(title=f"forgeax kernel report ({current_device_kind()}, fwd+bwd at the model's shapes)")
+    for col in ("op", "backend", "calls", "ms", "xla ms", "speedup", "temp MiB", "xla MiB", "saved MiB"):
+        t.add_column(col, justify="left" if col in ("op", "backend") else "right", no_wrap=col in ("op", "backend"))
+    ms = lambda s: "" if s is None else f"{s * 1e3:.2f}"  # noqa: E731
+    mb = lambda b: "" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
+    for r in rows:
+        saved = "" if None in (r["temp_bytes"], r["xla_temp_bytes"]) else mb(r["xla_temp_bytes"] - r["temp_bytes"])
+        t.add_row(r["op"], r["backend"], str(r["calls"]), ms(r["seconds"]), ms(r["xla_seconds"]),
+                  "" if r["speedup"] is None else f"{r['speedup']:.2f}x", mb(r["temp_bytes"]), mb(r["xla_temp_bytes"]), saved)
+    console.print(t)
