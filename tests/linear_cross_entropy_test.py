@@ -273,29 +273,29 @@ def test_config_for_another_backend_is_refused():
             ops.linear_cross_entropy(x, w, t, backend=backend, config=tpu_ce.CrossEntropyPallasTpuConfig())
 
 
-def test_bad_config_values_raise_errors_that_name_the_field():
-    from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
+@pytest.mark.parametrize("module, name, values, field", [
+    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(block_n=96), "block_n"),
+    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(warpgroups=3), "warpgroups"),
+    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(stages=1), "stages"),
+    # 2 warpgroups x 8 stages: over the shared memory of a CTA.
+    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(warpgroups=2, stages=8), "stages"),
+    ("forgeax.kernels.triton.linear_cross_entropy", "LinearCrossEntropyTritonConfig", dict(block_v=100), "block_v"),
+    ("forgeax.kernels.triton.linear_cross_entropy", "LinearCrossEntropyTritonConfig", dict(num_warps=0), "num_warps"),
+], ids=str)
+def test_bad_config_values_raise_errors_that_name_the_field(module, name, values, field):
+    config_type = getattr(pytest.importorskip(module), name)
+    with pytest.raises(ValueError, match=rf"^{name}\.{field}:"):
+        config_type(**values)
 
-    cases = [
-        (lambda: gpu_lce.LinearCrossEntropyPallasGpuConfig(block_n=96), "block_n"),
-        (lambda: gpu_lce.LinearCrossEntropyPallasGpuConfig(warpgroups=3), "warpgroups"),
-        (lambda: gpu_lce.LinearCrossEntropyPallasGpuConfig(stages=1), "stages"),
-        (lambda: gpu_lce.LinearCrossEntropyPallasGpuConfig(warpgroups=2, stages=8), "stages"),  # over the SMEM
-    ]
-    try:
-        from forgeax.kernels.triton import linear_cross_entropy as triton_lce
-    except ImportError:
-        triton_lce = None
-    if triton_lce is not None:
-        cases += [
-            (lambda: triton_lce.LinearCrossEntropyTritonConfig(block_v=100), "block_v"),
-            (lambda: triton_lce.LinearCrossEntropyTritonConfig(num_warps=0), "num_warps"),
-        ]
-    for make, field in cases:
-        with pytest.raises(ValueError, match=rf"\.{field}:"):
-            make()
-    # Every candidate a tuner would walk is a valid config.
-    assert gpu_lce.candidate_configs(None, None, None, spec=LossSpec())
+
+def test_every_candidate_config_is_valid():
+    from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
+    from forgeax.kernels.pallas.tpu import linear_cross_entropy as tpu_lce
+
+    x, w, t, _ = _inputs(4, 64, 100, jnp.bfloat16, seed=25, bias=False)
+    for module in (gpu_lce, tpu_lce):
+        candidates = module.candidate_configs(x, w, t, spec=LossSpec())
+        assert candidates and all(isinstance(c, module.LINEAR_CROSS_ENTROPY.config_type) for c in candidates)
 
 
 def test_vocab_parallel_is_refused_by_triton_with_a_reason():
