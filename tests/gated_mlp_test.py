@@ -101,6 +101,33 @@ def test_saved_preactivations_match_reference(backend, fused):
     conformance.assert_conforms(case, backend)
 
 
+def _avals(jaxpr):
+    """Every value a jaxpr (and the jaxprs inside its equations) produces."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _avals(inner)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "xla"])
+def test_kernel_forward_writes_no_preactivations(backend):
+    # The point of the fusion: the forward produces h [M, N] and nothing of width 2N, and no f32
+    # [M, N] (the unfused gate and up products).
+    m, n = 256, 128
+    case = _case((m,), 64, n, None, jnp.bfloat16, seed=3)
+    for fused in (False, True):
+        args = case.args if not fused else (case.args[0], jnp.stack(case.args[1:3], axis=1), None, None)
+        jaxpr = jax.make_jaxpr(lambda *a: ops.gated_mlp(*a, backend=backend))(*args).jaxpr
+        shapes = [(tuple(a.shape), jnp.dtype(a.dtype)) for a in _avals(jaxpr) if hasattr(a, "shape")]
+        assert ((m, n), jnp.dtype(jnp.bfloat16)) in shapes, shapes
+        for shape, dtype in shapes:
+            assert shape not in ((m, 2 * n), (m, 2, n)), f"{backend}: a [M, 2N] value {shape} in the forward"
+            assert not (shape == (m, n) and dtype == jnp.float32), f"{backend}: an f32 [M, N] value in the forward"
+
+
 def test_fused_weight_equals_separate_weights():
     case = _case((6,), 32, 16, None, jnp.float32, seed=2)
     x, w_gate, w_up, _ = case.args
