@@ -33,6 +33,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
+    remat: bool = False  # recompute each layer's activations in the backward (jax.checkpoint)
 
     @property
     def head_dim(self) -> int:

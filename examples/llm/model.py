@@ -102,15 +102,20 @@ def hidden(params: dict, tokens: jax.Array, cfg: ModelConfig, backends: Backends
     dt = jnp.dtype(cfg.dtype)
     h = params["embed"].astype(dt)[tokens]
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    delta = None
-    for layer in params["layers"]:
+
+    def block(layer, h, delta):
         if delta is None:
             n = _norm(h, layer["attn_norm"], cfg, backends)
         else:
             n, h = _add_norm(delta, h, layer["attn_norm"], cfg, backends)
         delta = _attention(n, layer, positions, cfg, backends)
         n, h = _add_norm(delta, h, layer["mlp_norm"], cfg, backends)
-        delta = _mlp(n, layer, backends)
+        return h, _mlp(n, layer, backends)
+
+    first, rest = block, jax.checkpoint(block) if cfg.remat else block
+    h, delta = first(params["layers"][0], h, None)
+    for layer in params["layers"][1:]:
+        h, delta = rest(layer, h, delta)
     n, _ = _add_norm(delta, h, params["final_norm"], cfg, backends)
     return n
 

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, help="override the preset's " + name)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype (default: the preset's)")
     p.add_argument("--untied", action="store_true", help="separate output projection (untied embeddings)")
+    p.add_argument("--remat", action="store_true", help="recompute layer activations in the backward (less memory)")
     p.add_argument("--data", help="text file, folder of text files, or .bin (uint16) / .npy tokens (default: pydoc_data.topics)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=200)
@@ -84,6 +85,8 @@ def model_config(args, vocab: int) -> ModelConfig:
             if getattr(args, k) is not None}
     if args.untied:
         over["tie_embeddings"] = False
+    if args.remat:
+        over["remat"] = True
     over["vocab"] = max(cfg.vocab, vocab)
     cfg = dataclasses.replace(cfg, **over)
     cfg.validate()
@@ -309,7 +312,18 @@ def benchmark(args, cfg, settings, backends, state, step_fn, corpus, put, log) -
     return result
 
 
+def quiet_cuda_plugin(environ=os.environ) -> None:
+    """With no NVIDIA GPU visible (and cuda not asked for), skip jax-cuda13-plugin's CUDA/cuDNN
+    library check, which otherwise prints a long 'Unable to load cuDNN' traceback before JAX falls
+    back to the CPU it would use anyway (as tools/bench.py does). Call before JAX's first backend lookup."""
+    asked = environ.get("JAX_PLATFORMS", "")
+    if not any(os.path.exists(n) for n in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")) and "cuda" not in asked \
+            and "gpu" not in asked:
+        environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
 def main(argv: list[str] | None = None) -> None:
+    quiet_cuda_plugin()
     run(argv)
 
 
