@@ -203,27 +203,24 @@ def test_triton_gradient_in_forward_variant_matches_reference():
     assert grad.dtype == jnp.bfloat16 and conformance.relative_error(grad, want_grad) < 1e-2
 
 
-def _small_configs():
-    """A non-default config per kernel backend: blocks much narrower than the heuristic's, so
-    V=1000 runs several vocabulary blocks (and the TPU kernel several row blocks)."""
-    configs = {}
-    if "triton" in BACKENDS:
+def _small_config(backend):
+    """A non-default config of `backend` (skips the test for one that takes none): blocks much
+    narrower than the heuristic's, so V=1000 runs several vocabulary blocks (and the TPU kernel
+    several row blocks)."""
+    if backend == "triton":
         from forgeax.kernels.triton import cross_entropy as triton_ce
 
-        configs["triton"] = triton_ce.CrossEntropyTritonConfig(block_v=256, num_warps=1)
-    if "pallas_tpu" in BACKENDS:
+        return triton_ce.CrossEntropyTritonConfig(block_v=256, num_warps=1)
+    if backend == "pallas_tpu":
         from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
 
-        configs["pallas_tpu"] = tpu_ce.CrossEntropyPallasTpuConfig(block_rows=16, block_v=256)
-    return configs
+        return tpu_ce.CrossEntropyPallasTpuConfig(block_rows=16, block_v=256)
+    pytest.skip(f"{backend} takes no kernel config")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_explicit_config_reaches_the_kernel_and_matches_reference(backend):
-    configs = _small_configs()
-    if backend not in configs:
-        pytest.skip(f"{backend} takes no kernel config")
-    config = configs[backend]
+    config = _small_config(backend)
     logits, targets = _inputs(37, 1000, jnp.bfloat16, seed=21, ignore_every=4)
     kwargs = dict(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=20.0)
     (decision,) = ops.explain(lambda x, t: ops.cross_entropy(x, t, backend=backend, config=config, **kwargs), logits, targets).decisions
@@ -255,12 +252,20 @@ def test_config_for_another_backend_is_refused():
         ops.cross_entropy(logits, targets, backend="xla", config=tpu_ce.CrossEntropyPallasTpuConfig())
 
 
+# Every config of the loss backends (linear_cross_entropy's too: the test is the same).
 @pytest.mark.parametrize("module, name, values, field", [
     ("forgeax.kernels.pallas.tpu.cross_entropy", "CrossEntropyPallasTpuConfig", dict(block_rows=20), "block_rows"),
     ("forgeax.kernels.pallas.tpu.cross_entropy", "CrossEntropyPallasTpuConfig", dict(block_v=1000), "block_v"),
     ("forgeax.kernels.pallas.tpu.cross_entropy", "CrossEntropyPallasTpuConfig", dict(block_v=0), "block_v"),
     ("forgeax.kernels.triton.cross_entropy", "CrossEntropyTritonConfig", dict(block_v=3000), "block_v"),
     ("forgeax.kernels.triton.cross_entropy", "CrossEntropyTritonConfig", dict(num_warps=3), "num_warps"),
+    ("forgeax.kernels.triton.linear_cross_entropy", "LinearCrossEntropyTritonConfig", dict(block_v=100), "block_v"),
+    ("forgeax.kernels.triton.linear_cross_entropy", "LinearCrossEntropyTritonConfig", dict(num_warps=0), "num_warps"),
+    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(block_n=96), "block_n"),
+    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(warpgroups=3), "warpgroups"),
+    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(stages=1), "stages"),
+    # 2 warpgroups x 8 stages: over the shared memory of a CTA.
+    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(warpgroups=2, stages=8), "stages"),
 ], ids=str)
 def test_bad_config_values_raise_errors_that_name_the_field(module, name, values, field):
     config_type = getattr(pytest.importorskip(module), name)

@@ -49,22 +49,22 @@ def _public(x, w, t, b, *, backend=None, **kwargs):
     return ops.linear_cross_entropy(x, w, t, bias=b, backend=backend, **kwargs)
 
 
-def _small_configs():
-    """A non-default config per kernel backend (narrower tiles than the heuristic's)."""
-    configs = {}
-    if "triton" in BACKENDS:
+def _small_config(backend):
+    """A non-default config of `backend` (narrower tiles than the heuristic's); skips the test
+    for a backend that takes none."""
+    if backend == "triton":
         from forgeax.kernels.triton import linear_cross_entropy as triton_lce
 
-        configs["triton"] = triton_lce.LinearCrossEntropyTritonConfig(block_v=256, num_warps=1)
-    if "pallas_gpu" in BACKENDS:
+        return triton_lce.LinearCrossEntropyTritonConfig(block_v=256, num_warps=1)
+    if backend == "pallas_gpu":
         from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
 
-        configs["pallas_gpu"] = gpu_lce.LinearCrossEntropyPallasGpuConfig(block_n=64, stages=2)
-    if "pallas_tpu" in BACKENDS:
+        return gpu_lce.LinearCrossEntropyPallasGpuConfig(block_n=64, stages=2)
+    if backend == "pallas_tpu":
         from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
 
-        configs["pallas_tpu"] = tpu_ce.CrossEntropyPallasTpuConfig(block_rows=16, block_v=256)
-    return configs
+        return tpu_ce.CrossEntropyPallasTpuConfig(block_rows=16, block_v=256)
+    pytest.skip(f"{backend} takes no kernel config")
 
 
 def _reference(x, w, t, b=None, *, chunk_size=None, **options):
@@ -252,10 +252,7 @@ def test_default_chunk_size():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_explicit_config_reaches_the_kernel_and_matches_reference(backend):
-    configs = _small_configs()
-    if backend not in configs:
-        pytest.skip(f"{backend} takes no kernel config")
-    config = configs[backend]
+    config = _small_config(backend)
     x, w, t, b = _inputs(21, 64, 1000, jnp.bfloat16, seed=23, ignore_every=4)
     kwargs = dict(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=20.0, chunk_size=8)
     fn = lambda x, w, t: ops.linear_cross_entropy(x, w, t, bias=b, backend=backend, config=config, **kwargs)  # noqa: E731
@@ -271,21 +268,6 @@ def test_config_for_another_backend_is_refused():
     for backend in ("xla", "xla_chunked"):
         with pytest.raises(interface.UnsupportedError, match="config"):
             ops.linear_cross_entropy(x, w, t, backend=backend, config=tpu_ce.CrossEntropyPallasTpuConfig())
-
-
-@pytest.mark.parametrize("module, name, values, field", [
-    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(block_n=96), "block_n"),
-    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(warpgroups=3), "warpgroups"),
-    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(stages=1), "stages"),
-    # 2 warpgroups x 8 stages: over the shared memory of a CTA.
-    ("forgeax.kernels.pallas.gpu.linear_cross_entropy", "LinearCrossEntropyPallasGpuConfig", dict(warpgroups=2, stages=8), "stages"),
-    ("forgeax.kernels.triton.linear_cross_entropy", "LinearCrossEntropyTritonConfig", dict(block_v=100), "block_v"),
-    ("forgeax.kernels.triton.linear_cross_entropy", "LinearCrossEntropyTritonConfig", dict(num_warps=0), "num_warps"),
-], ids=str)
-def test_bad_config_values_raise_errors_that_name_the_field(module, name, values, field):
-    config_type = getattr(pytest.importorskip(module), name)
-    with pytest.raises(ValueError, match=rf"^{name}\.{field}:"):
-        config_type(**values)
 
 
 def test_every_candidate_config_is_valid():
