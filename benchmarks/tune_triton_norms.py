@@ -2,7 +2,7 @@
 
     python -m benchmarks.tune_triton_norms --out tune.json
 
-For each norm and shape: XLA, then every `candidate_configs` entry, forward and
+For each norm and shape: XLA, then every `named_candidates` entry, forward and
 forward+backward, in one process, median of rounds (tools/bench.py's method).
 The winner informs `default_config`; the run's JSON is the evidence.
 """
@@ -25,7 +25,7 @@ EPS = 1e-6
 
 def variants(kind, rows, d, dtype):
     yield "xla", None
-    for name, cfg in triton_norms.candidate_configs(rows, d, dtype).items():
+    for name, cfg in triton_norms.named_candidates(rows, d, dtype).items():
         yield name, cfg
 
 

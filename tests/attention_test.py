@@ -373,33 +373,64 @@ def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid):
     _check("pallas_gpu", args, kwargs, config=config)
 
 
+def _triton_config(args, kwargs, **changes):
+    """Triton's heuristic TritonAttentionConfig for this call with `changes` (the tiles or
+    schedule a test forces)."""
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.triton.attention import heuristic_config
+
+    left, right = kwargs.get("window") or (None, None)
+    spec = AttentionSpec(causal=kwargs.get("causal", False), window_left=left, window_right=right)
+    segments = kwargs.get("segment_ids") or (None, None)
+    q, k, v = args[:3]
+    return heuristic_config(q, k, v, None, None, *segments, None, spec=spec).replace(**changes)
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
 @pytest.mark.parametrize("path", ["dz_tiles", "dq_programs"])
 @pytest.mark.parametrize("case", ["causal_gqa", "window_soft_cap_T<S", "segments"])
-def test_triton_backward_dq_from_dz_tiles_and_from_its_dq_programs(case, path, monkeypatch):
+def test_triton_backward_dq_from_dz_tiles_and_from_its_dq_programs(case, path):
     """Both ways the Triton backward computes dq at head_dim 64: from the dz^T tiles the dK/dV
     programs store (`_dq_kernel`; the default at head_dim 128 while they fit) and from the fused
     kernel's own dQ programs (the default at 64, and past the tiles' budget)."""
-    from forgeax.kernels.triton import attention as triton_attention
-
-    monkeypatch.setattr(triton_attention, "_DZ_TILES_PADDED_HEAD_DIMS", (64,))
-    if path == "dq_programs":
-        monkeypatch.setattr(triton_attention, "_DZ_TILES_MAX_BYTES", 0)
     if case == "segments":
         T, S = 40, 130
         kwargs = dict(causal=True, segment_ids=(_segments(1, T, 3, empty_id=1), _segments(1, S, 4)))
     else:
         T, S, kwargs = BACKWARD_ORDER_CASES[case]
-    # Head counts no other test traces, so no cached trace of the other path is reused.
     N, K = (5, 1) if path == "dz_tiles" else (6, 3)
-    _check("triton", _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 7 * S), kwargs)
+    args = _qkv(1, T, S, N, K, 64, jnp.bfloat16, seed=T + 7 * S)
+    _check("triton", args, kwargs, config=_triton_config(args, kwargs, dq_from_dz_tiles=path == "dz_tiles"))
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
+@pytest.mark.parametrize("tiles", ["small", "wide"])
+def test_triton_explicit_config_tiles_match_reference(tiles):
+    """An explicit config reaches the kernels (`resolve_config` returns it as is) and other
+    tiles than the heuristic's still match the reference: the block bounds, tails and the
+    segment ranges per block size follow the config."""
+    from forgeax.kernels.triton.attention import ATTENTION
+
+    changes = dict(small=dict(block_m=16, block_n=32, block_m1=32, block_n1=16, block_m2=16, block_n2=32,
+                              delta_block_m=16, fwd_stages=2),
+                   wide=dict(block_m=64, block_n=64, block_m1=64, block_n1=64, block_m2=64, block_n2=64,
+                             fwd_warps=8, bwd_warps=8))[tiles]
+    T, S = 70, 100
+    kwargs = dict(causal=True, segment_ids=(_segments(1, T, 2), _segments(1, S, 3)))
+    args = _qkv(1, T, S, 4, 2, 32, jnp.float32, seed=11)
+    config = _triton_config(args, kwargs, **changes)
+    assert ATTENTION.resolve_config(args, {}, config, "cpu") == (config, "explicit")
+    _check("triton", args, kwargs, config=config)
 
 
 def test_triton_dz_tiles_extent_rounds_to_blocks_and_keeps_the_budget():
-    from forgeax.kernels.triton import attention as triton_attention
+    from forgeax.kernels.triton.attention import TritonAttentionConfig
+    from forgeax.kernels.triton.attention_backward import dz_tiles_extent
 
-    cfg = triton_attention.AttentionConfig(128, 64, 8, 3, 64, 128, 128, 64, 8, 3)
-    extent = functools.partial(triton_attention.dz_tiles_extent, cfg=cfg)
+    config = TritonAttentionConfig(block_m=128, block_n=64, fwd_warps=8, fwd_stages=3, block_m1=64, block_n1=128,
+                                   block_m2=128, block_n2=64, bwd_warps=8, bwd_stages=3, delta_block_m=64,
+                                   dq_from_dz_tiles=True)
+    extent = functools.partial(dz_tiles_extent, config=config)
     assert extent(1, 1, 1000, 130, jnp.bfloat16) == (256, 1024)  # keys to 128s, queries to 128s
     assert extent(4, 32, 4096, 4096, jnp.bfloat16) == (4096, 4096)  # exactly 4 GiB
     assert extent(4, 32, 4096, 4096, jnp.float32) is None
@@ -445,6 +476,20 @@ TPU_TILE_CASES = {
 def test_pallas_tpu_full_and_partial_tiles(case):
     T, S, kwargs = TPU_TILE_CASES[case]
     _check("pallas_tpu", _qkv(1, T, S, 2, 1, 64, jnp.float32, seed=T + S), kwargs)
+
+
+@pytest.mark.skipif("pallas_tpu" not in BACKENDS, reason="pallas_tpu runs on CPU in its interpreter")
+def test_pallas_tpu_explicit_config_blocks_match_reference():
+    """Blocks other than the heuristic's (forward 32 x 256, backward 16 x 128 caps) still match the
+    reference: the padding, block skipping and segment reach follow the config's blocks."""
+    from forgeax.kernels.pallas.tpu.attention import ATTENTION, PallasTpuAttentionConfig
+
+    config = PallasTpuAttentionConfig(block_q=32, block_k=256, bwd_block_q=16, bwd_block_k=128)
+    T, S = 100, 300
+    kwargs = dict(causal=True, window=(200, 0), segment_ids=(_segments(1, T, 5), _segments(1, S, 6)))
+    args = _qkv(1, T, S, 2, 1, 64, jnp.float32, seed=17)
+    assert ATTENTION.resolve_config(args, {}, config, "cpu") == (config, "explicit")
+    _check("pallas_tpu", args, kwargs, config=config)
 
 
 @pytest.mark.parametrize("Hv", [32, 128])

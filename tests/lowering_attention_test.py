@@ -62,8 +62,9 @@ SHAPES = {
 }
 
 
-def _lower(backend, shape, backward):
-    """Lowers the backend's implementation itself (the public op would refuse it: this is a CPU)."""
+def _lower(backend, shape, backward, device_kind=None):
+    """Lowers the backend's implementation itself (the public op would refuse it: this is a CPU),
+    with the config `resolve_config` gives for `device_kind` (None: the heuristic's)."""
     B, T, S, N, K, H, options = shape
     platform, _ = MARKER[backend]
     left, right = options.get("window", (None, None))
@@ -85,8 +86,11 @@ def _lower(backend, shape, backward):
     if reason is not None:
         pytest.skip(f"{backend} refuses {shape}: {reason}")
 
+    with interface.interpret_mode(False):  # the config of a compiled kernel, whatever the environment
+        config, _ = impl.resolve_config((q, k, v, bias, mask, *segments, None), {"spec": spec}, None, device_kind)
+
     def forward(q, k, v, bias, mask, *segment_ids):
-        return impl.fn(q, k, v, bias, mask, *(segment_ids or (None, None)), None, spec=spec)[0]
+        return impl.call((q, k, v, bias, mask, *(segment_ids or (None, None)), None), {"spec": spec}, config)[0]
 
     def training(q, k, v, bias, mask, *segment_ids):
         out, pull = jax.vjp(lambda q, k, v, bias: forward(q, k, v, bias, mask, *segment_ids), q, k, v, bias)
@@ -128,15 +132,13 @@ TILE_INPUTS = {
 @pytest.mark.parametrize("inputs", TILE_INPUTS)
 @pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
 def test_triton_kernels_fit_hopper_shared_memory(kind, inputs, H, monkeypatch):
-    """Every Triton kernel of a 16-bit forward+backward, with the tiles chosen for `kind`
-    (`_FORWARD_KEY_BLOCK`), asks for no more shared memory than Hopper has: the pipeline buffers
-    bias and mask tiles too, which a launch on the GPU refuses above 227 KB (an H100 run caught the
-    forward's 128-key block with a bias asking for 288 KB)."""
+    """Every Triton kernel of a 16-bit forward+backward, with the config resolved for `kind` (a
+    tuned entry of kernels/triton/tuned/attention.json or the heuristic), asks for no more shared
+    memory than Hopper has: the pipeline buffers bias and mask tiles too, which a launch on the GPU
+    refuses above 227 KB (an H100 run caught the forward's 128-key block with a bias asking for
+    288 KB)."""
     from jax_triton import triton_lib
 
-    from forgeax.kernels.triton import attention as triton_attention
-
-    monkeypatch.setattr(triton_attention, "current_device_kind", lambda: kind)
     monkeypatch.setattr(triton_lib, "_COMPILED_KERNEL_CACHE", {})  # compile here, not from cache
     compiled = []
     compile_ptx = triton_lib.compile_ttir_to_ptx_inplace
@@ -147,20 +149,25 @@ def test_triton_kernels_fit_hopper_shared_memory(kind, inputs, H, monkeypatch):
         return result
 
     monkeypatch.setattr(triton_lib, "compile_ttir_to_ptx_inplace", recording)
-    _lower("triton", (2, 512, 512, 4, 2, H, TILE_INPUTS[inputs]), backward=True)
+    _lower("triton", (2, 512, 512, 4, 2, H, TILE_INPUTS[inputs]), backward=True, device_kind=kind)
     names = {name for name, _ in compiled}
     assert {"_fwd_kernel", "_bwd_kernel"} <= names, compiled
     too_big = [(name, size) for name, size in compiled if size > HOPPER_SHARED_MEMORY]
     assert not too_big, f"{kind} {inputs} H{H}: {too_big} bytes of shared memory > {HOPPER_SHARED_MEMORY}"
 
 
-def test_triton_forward_key_block_follows_the_device_kind(monkeypatch):
-    """The 16-bit head_dim <= 128 forward takes its key block from the device kind (measured per
-    device), except when it streams bias or mask tiles (shared memory, see above)."""
-    from forgeax.kernels.triton import attention as triton_attention
+def test_triton_forward_key_block_follows_the_device_kind():
+    """The 16-bit head_dim <= 128 forward takes its key block from the device kind (a tuned entry
+    per device), except when it streams bias or mask tiles (shared memory, see above)."""
+    from forgeax.kernels.triton.attention import ATTENTION
+
+    def config(kind, H, scores=False):
+        q = jax.ShapeDtypeStruct((1, 256, 4, H), jnp.bfloat16)
+        bias = jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16) if scores else None
+        return ATTENTION.resolve_config((q, q, q, bias, None, None, None, None), {"spec": AttentionSpec()}, None,
+                                        kind)[0]
 
     for kind, block_n in (("NVIDIA H100 80GB HBM3", 128), ("NVIDIA H200", 64)):
-        monkeypatch.setattr(triton_attention, "current_device_kind", lambda kind=kind: kind)
-        assert triton_attention.config_for(128, 128, jnp.bfloat16).block_n == block_n
-        assert triton_attention.config_for(64, 64, jnp.bfloat16, streams_scores_tiles=True).block_n == 64
-        assert triton_attention.config_for(256, 256, jnp.bfloat16) == triton_attention._CONFIG_16BIT_256
+        assert config(kind, 128).block_n == block_n
+        assert config(kind, 64, scores=True).block_n == 64
+        assert config(kind, 256) == config("NVIDIA H200", 256)

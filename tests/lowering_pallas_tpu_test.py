@@ -135,3 +135,81 @@ def test_lowering_check_rejects_an_illegal_block():
 
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
         _lower_tpu(bad, jax.ShapeDtypeStruct((64, 1000), jnp.float32))
+
+
+# ----------------------------------------------------------------------------- attention configs
+
+
+def _attention_call(T=1000, S=1000, H=128, dtype=jnp.bfloat16, mask=False):
+    from forgeax.kernels.common.attention import AttentionSpec
+
+    q = jax.ShapeDtypeStruct((2, T, 4, H), dtype)
+    k = jax.ShapeDtypeStruct((2, S, 2, H), dtype)
+    m = jax.ShapeDtypeStruct((1, 1, T, S), jnp.bool_) if mask else None
+    return (q, k, k, None, m, None, None, None), {"spec": AttentionSpec(causal=True, scale=H**-0.5)}
+
+
+def _lower_attention(config, args, kwargs):
+    from forgeax.kernels.pallas.tpu.attention import ATTENTION
+
+    def training(q, k, v, bias, mask):
+        return jax.vjp(lambda *a: ATTENTION.call((*a, bias, mask, *args[5:]), kwargs, config)[0], q, k, v)[1](
+            jnp.ones(q.shape[:3] + (v.shape[3],), q.dtype))
+
+    return _lower_tpu(training, *args[:5])
+
+
+def test_attention_config_errors_name_the_field():
+    from forgeax.kernels.pallas.tpu.attention import PallasTpuAttentionConfig, heuristic_config
+
+    base = heuristic_config(*_attention_call()[0], **_attention_call()[1])
+    for field, value in (("block_q", 100), ("block_k", 64), ("bwd_block_q", 0), ("bwd_block_k", 130),
+                         ("block_q", True)):
+        with pytest.raises(ValueError, match=rf"PallasTpuAttentionConfig\.{field}:"):
+            base.replace(**{field: value})
+    with pytest.raises(TypeError):
+        PallasTpuAttentionConfig(512, 512, 256, 512)  # keyword-only
+    assert PallasTpuAttentionConfig.from_dict(base.to_dict()) == base
+
+
+def test_attention_heuristic_takes_small_blocks_in_the_interpreter():
+    from forgeax import core
+    from forgeax.kernels.pallas.tpu.attention import ATTENTION, PallasTpuAttentionConfig
+
+    args, kwargs = _attention_call()
+    compiled = PallasTpuAttentionConfig(block_q=512, block_k=512, bwd_block_q=256, bwd_block_k=512)
+    assert ATTENTION.resolve_config(args, kwargs, None, "TPU v5 lite") == (compiled, "heuristic")
+    with core.interpret_mode():
+        interpreted = PallasTpuAttentionConfig(block_q=64, block_k=128, bwd_block_q=64, bwd_block_k=128)
+        assert ATTENTION.resolve_config(args, kwargs, None, "cpu") == (interpreted, "heuristic")
+
+
+def test_attention_explicit_config_sets_the_blocks():
+    """The blocks of the config passed are the caps of the call's layout (each block as small as
+    covers the sequence, query blocks aligned to the dtypes' rows) and change the lowered kernels."""
+    from forgeax.kernels.pallas.tpu import attention as tpu_attention
+
+    args, kwargs = _attention_call()
+    heuristic = tpu_attention.heuristic_config(*args, **kwargs)
+    config = heuristic.replace(block_q=128, block_k=256, bwd_block_q=8, bwd_block_k=128)
+    layout = lambda backward, a=args: tpu_attention._layout(*a[:6], config, backward=backward)  # noqa: E731
+    assert (layout(False).bq, layout(False).bk) == (128, 256)  # T = 1000: 8 blocks of 125 -> 128
+    assert (layout(True).bq, layout(True).bk) == (16, 128)  # bf16 rows align to 16
+    masked = _attention_call(mask=True)[0]
+    assert layout(True, masked).bq == 32  # int8 mask rows align to 32
+    text = _lower_attention(config, args, kwargs)
+    assert text.count("tpu_custom_call") == 3
+    assert text != _lower_attention(heuristic, args, kwargs)
+
+
+@pytest.mark.parametrize("call", ["bf16 causal", "f32 H64 mask T300"])
+def test_attention_candidate_configs_are_valid_and_lower(call):
+    from forgeax.kernels.pallas.tpu.attention import candidate_configs, heuristic_config
+
+    args, kwargs = {"bf16 causal": _attention_call(),
+                    "f32 H64 mask T300": _attention_call(T=300, S=700, H=64, dtype=jnp.float32, mask=True)}[call]
+    configs = candidate_configs(*args, **kwargs)
+    assert configs[0] == heuristic_config(*args, **kwargs)
+    assert len(set(configs)) == len(configs) > 8
+    for config in configs:
+        assert _lower_attention(config, args, kwargs).count("tpu_custom_call") == 3, config

@@ -174,3 +174,48 @@ def test_explicit_backend_that_cannot_run_raises_unsupported_with_reason():
     with pytest.raises(ops.UnsupportedError, match="pallas_tpu: runs on tpu"):
         ops.rms_norm(x, jnp.ones((8,)), backend="pallas_tpu")
     assert issubclass(ops.UnsupportedError, NotImplementedError)
+
+
+# ---------------------------------------------------------------- Triton launch configs
+
+
+@pytest.mark.skipif("triton" not in LN_BACKENDS, reason="triton not runnable here")
+def test_triton_explicit_config_matches_reference():
+    """A TritonNormConfig other than the heuristic's (small tiles, several backward programs each
+    looping over row tiles, no prefetch) reaches the kernels and still matches the reference,
+    forward and gradients; `resolve_config` returns it as passed."""
+    from forgeax.kernels.triton import norms as triton_norms
+
+    x, scale, offset = _inputs((37, 200), jnp.float32, seed=3)
+    config = triton_norms.TritonNormConfig(fwd_block_rows=4, fwd_num_warps=2, bwd_block_rows=2, bwd_num_warps=2,
+                                           bwd_programs_per_sm=1, bwd_num_stages=1, bwd_prefetch=False)
+    assert config != triton_norms.heuristic_config(x, scale, offset, eps=EPS)
+    impl = interface.OPS["layer_norm"].implementation("triton")
+    assert impl.resolve_config((x, scale, offset), {"eps": EPS}, config, "cpu") == (config, "explicit")
+
+    def public(x, scale, offset, *, eps, backend):
+        del backend
+        return triton_norms.layer_norm(x, scale, offset, eps=eps, config=config)
+
+    case = conformance.Case("layer_norm(37, 200)", public, reference.layer_norm, (x, scale, offset), {"eps": EPS},
+                            (0, 1, 2))
+    conformance.assert_conforms(case, "triton")
+
+
+def test_triton_config_errors_name_the_field():
+    pytest.importorskip("triton")
+    from forgeax.kernels.triton import norms as triton_norms
+
+    base = triton_norms.default_config(4096, 4096, jnp.bfloat16)
+    for field, value in (("fwd_block_rows", 3), ("bwd_num_warps", 3), ("bwd_programs_per_sm", 0),
+                         ("bwd_num_stages", 0), ("bwd_prefetch", 1)):
+        with pytest.raises(ValueError, match=rf"TritonNormConfig\.{field}:"):
+            base.replace(**{field: value})
+    with pytest.raises(TypeError):
+        triton_norms.TritonNormConfig(1, 1, 1, 1, 1)  # keyword-only
+    assert triton_norms.TritonNormConfig.from_dict(base.to_dict()) == base
+    x = jax.ShapeDtypeStruct((8, 512, 4096), jnp.bfloat16)
+    p = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
+    candidates = triton_norms.candidate_configs(x, p, eps=EPS)
+    assert candidates[0] == triton_norms.heuristic_config(x, p, eps=EPS) == base
+    assert len(set(candidates)) == len(candidates) > 4

@@ -35,10 +35,11 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from forgeax.kernels.common.norms import NormKernels, differentiable_norm
-from forgeax.kernels.triton.launch import triton_call
+from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
+from forgeax.kernels.common.norms import NormKernels, differentiable_norm
+from forgeax.kernels.triton.launch import triton_call
 
 # Largest D one program handles as a single register tile. ptxas (sm_90a) shows
 # no spills up to D=8192 at the default configs; at D=16384 the backward spills
@@ -164,9 +165,10 @@ def _backward_kernel(
 # ----------------------------------------------------------------------------- configs
 
 
-@dataclasses.dataclass(frozen=True)
-class NormConfig:
-    """Launch tunables for one (rows, D, dtype); see `default_config`.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonNormConfig(KernelConfig):
+    """Launch tunables of the RMSNorm / LayerNorm kernels for one (rows, D, dtype); see
+    `default_config`.
 
     fwd_block_rows/bwd_block_rows: rows per tile (powers of two).
     fwd_num_warps/bwd_num_warps: warps per program.
@@ -185,25 +187,30 @@ class NormConfig:
     bwd_num_stages: int = 1
     bwd_prefetch: bool = False
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
+        super().validate()
+        cls = type(self).__name__
         for name in ("fwd_block_rows", "bwd_block_rows"):
             value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name}: expected a power of two, got {value}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+                raise ValueError(f"{cls}.{name}: expected a power of two, got {value!r}")
         for name in ("fwd_num_warps", "bwd_num_warps"):
-            if getattr(self, name) not in (1, 2, 4, 8, 16, 32):
-                raise ValueError(f"{name}: expected 1, 2, 4, 8, 16 or 32, got {getattr(self, name)}")
-        if self.bwd_num_stages < 1:
-            raise ValueError(f"bwd_num_stages: expected >= 1, got {self.bwd_num_stages}")
-        if self.bwd_programs_per_sm < 1:
-            raise ValueError(f"bwd_programs_per_sm: expected >= 1, got {self.bwd_programs_per_sm}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"{cls}.{name}: expected 1, 2, 4, 8, 16 or 32, got {value!r}")
+        for name in ("bwd_num_stages", "bwd_programs_per_sm"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{cls}.{name}: expected an int >= 1, got {value!r}")
+        if not isinstance(self.bwd_prefetch, bool):
+            raise ValueError(f"{cls}.bwd_prefetch: expected a bool, got {self.bwd_prefetch!r}")
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def default_config(rows: int, d: int, dtype) -> NormConfig:
+def default_config(rows: int, d: int, dtype) -> TritonNormConfig:
     """The launch heuristic (timed on an H200 at D = 4096; register counts from ptxas).
 
     Forward: tiles of ~4096 elements, ~16 per thread (D=4096 bf16: one 8 KB row
@@ -219,7 +226,7 @@ def default_config(rows: int, d: int, dtype) -> NormConfig:
     if interpret_enabled():
         # The interpreter pays per op per program, so: few large tiles. Same code
         # paths (row masks, multi-iteration loops, partials from several programs).
-        return NormConfig(
+        return TritonNormConfig(
             fwd_block_rows=min(max(32768 // block_d, 1), 64, row_cap),
             fwd_num_warps=4,
             bwd_block_rows=min(max(16384 // block_d, 1), 16, row_cap),
@@ -229,12 +236,12 @@ def default_config(rows: int, d: int, dtype) -> NormConfig:
         )
     fwd_rows = min(max(4096 // block_d, 1), 64, row_cap)
     bwd_rows = min(max(2048 // block_d, 1), 16, row_cap)
-    # Measured on an H200 at 32768 x 4096 bf16 (benchmarks/results/tune_triton_norms_H200_run2.json):
+    # Measured on an H200 at 32768 x 4096 bf16 (benchmarks/results/norms_H200_2026-11-22_tune_triton_run2.json):
     # prefetching the next tile took the backward from 79% to ~90% of copy
     # bandwidth; with it, 8 warps (one 16-byte load per input per thread and
     # row) beat 16 for LayerNorm and tie for RMSNorm. Above D = 4096 the
     # second tile in registers would spill, so no prefetch there.
-    return NormConfig(
+    return TritonNormConfig(
         fwd_block_rows=fwd_rows,
         fwd_num_warps=min(max(fwd_rows * block_d // 512, 1), 16),
         bwd_block_rows=bwd_rows,
@@ -244,8 +251,9 @@ def default_config(rows: int, d: int, dtype) -> NormConfig:
     )
 
 
-def candidate_configs(rows: int, d: int, dtype) -> dict[str, NormConfig]:
-    """The default and a few alternatives worth timing on a GPU (benchmarks/tune_triton_norms.py)."""
+def named_candidates(rows: int, d: int, dtype) -> dict[str, TritonNormConfig]:
+    """The default and a few alternatives worth timing on a GPU, by name
+    (benchmarks/tune_triton_norms.py)."""
     base = default_config(rows, d, dtype)
     r = dataclasses.replace
     return {
@@ -257,6 +265,22 @@ def candidate_configs(rows: int, d: int, dtype) -> dict[str, NormConfig]:
         "bwd_2rows": r(base, bwd_block_rows=base.bwd_block_rows * 2),
         "bwd_stages2": r(base, bwd_num_stages=2),
     }
+
+
+def _rows_and_dim(x) -> tuple[int, int]:
+    return int(np.prod(x.shape[:-1], dtype=np.int64)), int(x.shape[-1])
+
+
+def heuristic_config(x, scale, offset=None, *, eps) -> TritonNormConfig:
+    """`default_config` for the op's arguments (x [..., D] viewed as rows of D)."""
+    del scale, offset, eps
+    return default_config(*_rows_and_dim(x), x.dtype)
+
+
+def candidate_configs(x, scale, offset=None, *, eps) -> tuple[TritonNormConfig, ...]:
+    """The search space of a call: `named_candidates`, the default first."""
+    del scale, offset, eps
+    return tuple(dict.fromkeys(named_candidates(*_rows_and_dim(x), x.dtype).values()))
 
 
 def _num_sms() -> int:
@@ -331,19 +355,19 @@ def _backward(x, scale, stats, dy, *, eps, has_offset, config):
 
 
 @functools.cache
-def _differentiable(kind: str, config: NormConfig | None):
+def _differentiable(kind: str, config: TritonNormConfig | None):
     """kind: "rms", "layer" (no offset) or "layer_offset"; config None = `default_config` per shape."""
     forward = functools.partial(_forward, is_rms=kind == "rms", config=config)
     backward = functools.partial(_backward, has_offset=kind == "layer_offset", config=config)
     return differentiable_norm(NormKernels(forward=forward, backward=backward))
 
 
-def rms_norm(x, scale, *, eps, config: NormConfig | None = None):
-    """RMSNorm over the last axis; `config` overrides the launch heuristic (for benchmarks)."""
+def rms_norm(x, scale, *, eps, config: TritonNormConfig | None = None):
+    """RMSNorm over the last axis; `config` None: `default_config` for the rows each kernel sees."""
     return _differentiable("rms", config)(x, scale, None, eps=eps)
 
 
-def layer_norm(x, scale, offset, *, eps, config: NormConfig | None = None):
+def layer_norm(x, scale, offset, *, eps, config: TritonNormConfig | None = None):
     """LayerNorm over the last axis (offset may be None); `config` as for `rms_norm`."""
     return _differentiable("layer" if offset is None else "layer_offset", config)(x, scale, offset, eps=eps)
 
@@ -364,5 +388,9 @@ def _supports_rms(x, scale, *, eps):
     return _supports(x, scale, eps=eps)
 
 
-RMS_NORM = Implementation(fn=rms_norm, platforms={"gpu"}, interpretable=True, supports=_supports_rms)
-LAYER_NORM = Implementation(fn=layer_norm, platforms={"gpu"}, interpretable=True, supports=_supports)
+RMS_NORM = Implementation(fn=rms_norm, platforms={"gpu"}, interpretable=True, supports=_supports_rms,
+                          config_type=TritonNormConfig, heuristic_config=heuristic_config,
+                          candidate_configs=candidate_configs)
+LAYER_NORM = Implementation(fn=layer_norm, platforms={"gpu"}, interpretable=True, supports=_supports,
+                            config_type=TritonNormConfig, heuristic_config=heuristic_config,
+                            candidate_configs=candidate_configs)

@@ -1,62 +1,28 @@
 """Flash attention as Mosaic TPU Pallas kernels (forward and backward).
 
-NOT RUN ON A TPU: no TPU was available while writing this. Numerics are proven in
-Pallas' TPU interpreter (`pltpu.InterpretParams()`, FORGEAX_INTERPRET=1) against the XLA
-reference, and the Mosaic lowering by cross-lowering on CPU. Block sizes are reasoned
-about (VMEM budget), not measured.
+NOT RUN ON A TPU: no TPU was available while writing this. Numerics are proven in Pallas' TPU
+interpreter (`pltpu.InterpretParams()`, FORGEAX_INTERPRET=1) against the XLA reference, and the
+Mosaic lowering by cross-lowering on CPU. Block sizes are reasoned about (VMEM budget), not
+measured. The contract (math, mask order, T != S alignment, fully masked rows, dropout hash) is
+the module docstring of kernels/common/attention.py; the kernels are in attention_kernels.py.
 
-The contract (math, mask order, T != S alignment, fully masked rows, dropout hash) is the
-module docstring of kernels/common/attention.py. Per (batch b, query head n, query block i,
-key block j), all in f32:
+Layout: Mosaic blocks need their last two dims to be multiples of (8, 128) or the full array
+dims, so a [B, T, N, H] block of one head ((1, H) last dims) is illegal. The wrapper therefore
+transposes to heads-major [B, N, T, H] / [B, K, S, H] (one XLA copy, fused with the padding
+below) and the BlockSpecs take (block_q, H) / (block_k, H) tiles of one head. T is padded to a
+multiple of block_q and S to a multiple of block_k (block_k a multiple of 128), so no block
+reads past an array: padded keys are masked with an iota (s < S), padded queries are garbage
+rows sliced off (in the backward their lse is +inf, so p = 0 and they add nothing to dk, dv,
+dbias). Per-row vectors (lse, D, q segment ids) are [.., Tp, 1] columns, kv segment ids a
+[B, 1, Sp] row, so the kernel never relayouts a vector. GQA: the k/v index_map reads kv head
+n // G. bias/mask tiles come from [Bb|1, Nb|1, Tp, Sp] by index_map (0 on a broadcast axis);
+mask travels as int8 (rows are 32-aligned for it). f16 inputs (and an f16 bias) are computed
+as f32 (no f16 MXU path on TPU); bf16 feeds the MXU in bf16 with f32 accumulation (p and dz are
+rounded to bf16 for their matmuls); f32 uses HIGHEST.
 
-    z  = scale * q_i k_j^T ; z = cap * tanh(z / cap) ; z += bias ; z = -inf where not allowed
-    forward (online softmax over j, "arbitrary"; m, l, acc live in VMEM scratch):
-        m' = max(m, rowmax z);  a = exp(m - m');  p = exp(z - m')
-        l  = a l + rowsum p;    acc = a acc + (p * keep / (1 - rate)) v_j
-        last j: out = acc / l, lse = m + log l   (l == 0: out 0, lse -inf)
-    backward (p recomputed from lse; D = rowsum(dout * out) - dlse in XLA):
-        p = exp(z - lse), dp = dout v^T (* keep / (1 - rate)), dz = p (dp - D)
-        dv += pd^T dout, dk += scale dz'^T q, dq += scale dz' k, dbias = dz,
-        with dz' = dz * (1 - tanh^2) under the soft cap.
-
-Layout: Mosaic blocks need their last two dims to be multiples of (8, 128) or the full
-array dims, so a [B, T, N, H] block of one head ((1, H) last dims) is illegal. The wrapper
-therefore transposes to heads-major [B, N, T, H] / [B, K, S, H] (one XLA copy, fused with
-the padding below) and the BlockSpecs take (block_q, H) / (block_k, H) tiles of one head.
-T is padded to a multiple of block_q and S to a multiple of block_k (block_k a multiple of
-128), so no block reads past an array: padded keys are masked with an iota (s < S), padded
-queries are garbage rows sliced off (in the backward their lse is +inf, so p = 0 and they
-add nothing to dk, dv, dbias). Per-row vectors (lse, D, q segment ids) are [.., Tp, 1]
-columns, kv segment ids a [B, 1, Sp] row, so the kernel never relayouts a vector.
-GQA: the k/v index_map reads kv head n // G. bias/mask tiles come from [Bb|1, Nb|1, Tp, Sp]
-by index_map (0 on a broadcast axis); mask travels as int8 (rows are 32-aligned for it).
-f16 inputs (and an f16 bias) are computed as f32 (no f16 MXU path on TPU); bf16 feeds the MXU in bf16
-with f32 accumulation (p and dz are rounded to bf16 for their matmuls); f32 uses HIGHEST.
-
-Kernels:
-  * `_fwd_kernel`, grid (B, N, Tp/bq, Sp/bk), key axis "arbitrary".
-  * `_dkv_kernel`, grid (B, K, Sp/bk, G, Tp/bq): for a key block, loops (grid axes, both
-    "arbitrary") over the G query heads of its kv head and over query blocks; dk, dv
-    accumulate in f32 scratch. With a bias of the full [B, N, T, S] extent it also writes dz,
-    which is then dbias.
-  * `_dbias_kernel`, grid (Bb, Nb, Tp/bq, Sp/bk, B|1, N|1), for a bias broadcast over batch
-    or heads: sums dz over the broadcast axes in its output tile (recomputing the scores and
-    dO V^T), so the gradient takes the bias' size, never B*N*T*S floats.
-  * `_dq_kernel`, grid (B, N, Tp/bq, Sp/bk), key axis "arbitrary".
-Blocks with no allowed (t, s) under causal/window are skipped with pl.when, and their index
-maps are clamped into the live range so the skipped steps fetch nothing new. Segment ids narrow
-that range too (splash-style, for packed sequences): XLA computes per block the first and last
-block of the streamed axis its ids may reach and the first and last that share its one id
-throughout (`_segment_reach`: 16 bytes per batch row and block), scalar-prefetched into SMEM, where both the index maps and the kernel bodies read it; a
-block-diagonal packing then visits only the blocks near its diagonal. Tiles that every (t, s)
-passes (inside the causal/window band, no padded key, one segment shared by all their rows and
-columns) run a body without those masks (`_tile`, `_on_live_tiles`). Dropout recomputes the
-contract's hash (`dropout_keep`, uint32) inside the kernel from the global (b, n, t, s); the
-seed travels in SMEM.
-
-Head dims that are not multiples of 64 run zero-padded to the next (`_heads_major`: H 96 as 128,
-MLA's 192 stays, v 128 stays). Refused (`supports` says why): head dims past 256, dtypes other
-than f32/bf16/f16, empty T or S.
+Head dims that are not multiples of 64 run zero-padded to the next (`_heads_major`: H 96 as
+128, MLA's 192 stays, v 128 stays). Refused (`supports` says why): head dims past 256, dtypes
+other than f32/bf16/f16, empty T or S. Block sizes: `PallasTpuAttentionConfig`.
 """
 
 from __future__ import annotations
@@ -64,106 +30,90 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from forgeax.kernels.common.attention import (
-    AttentionKernels,
-    AttentionSpec,
-    allowed_positions,
-    differentiable_attention,
-    dropout_keep,
-    segment_ranges,
-)
-from forgeax.kernels.pallas.interpret import without_effects
+from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
+from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention, segment_ranges
+from forgeax.kernels.pallas.tpu.attention_kernels import (
+    Layout, bias_dtype, dbias_call, dkv_call, dq_call, fwd_call, round_up, total_bytes,
+)
 
-__all__ = ["ATTENTION"]
+__all__ = ["ATTENTION", "PallasTpuAttentionConfig", "attention", "candidate_configs", "heuristic_config"]
 
 _F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_VMEM_LIMIT = 48 << 20
-# Compiled blocks: a 512 x 512 f32 score tile is 1 MiB; the forward holds q, k, v tiles
-# (double-buffered, <= 256 KiB each at H = 256 bf16) and ~4 score-sized temporaries. The
-# backward holds more temporaries (p, dp, dz and casts), so it takes 256-row query blocks.
-_FWD_BLOCKS = (512, 512)
-_BWD_BLOCKS = (256, 512)
-# The interpreter pays per grid step but small blocks make the suite's T, S <= 200 shapes
-# cross block boundaries (several query blocks, two key blocks at S = 200).
-_INTERPRET_BLOCKS = (64, 128)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasTpuAttentionConfig(KernelConfig):
+    """Largest query / key block of the forward (`block_q`, `block_k`) and of the backward kernels
+    (`bwd_block_q`, `bwd_block_k`). A call takes as many blocks as these caps need, each as small
+    as covers its sequence (T = 600 under a cap of 512 runs 2 blocks of 304), query blocks rounded
+    up to the dtypes' row alignment (16 rows of bf16, 32 with a mask). Query blocks are multiples
+    of 8 (sublanes), key blocks of 128 (lanes)."""
+
+    block_q: int
+    block_k: int
+    bwd_block_q: int
+    bwd_block_k: int
+
+    def validate(self) -> None:
+        super().validate()
+        for field, multiple in (("block_q", 8), ("block_k", 128), ("bwd_block_q", 8), ("bwd_block_k", 128)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % multiple:
+                raise ValueError(f"{type(self).__name__}.{field}: expected a positive multiple of {multiple}, got {value!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Static shapes, block sizes and which optional inputs one call carries."""
-
-    B: int
-    T: int
-    S: int
-    N: int
-    K: int
-    H: int
-    Hv: int
-    bq: int
-    bk: int
-    dtype: jnp.dtype  # the compute dtype of q, k, v (f16 -> f32)
-    bias: tuple[int, int] | None  # (Bb, Nb)
-    mask: tuple[int, int] | None  # (Bm, Nm)
-    segments: bool
-
-    @property
-    def G(self) -> int:
-        return self.N // self.K
-
-    @property
-    def Tp(self) -> int:
-        return _round_up(self.T, self.bq)
-
-    @property
-    def Sp(self) -> int:
-        return _round_up(self.S, self.bk)
-
-    @property
-    def nq(self) -> int:
-        return self.Tp // self.bq
-
-    @property
-    def nk(self) -> int:
-        return self.Sp // self.bk
-
-    @property
-    def dz_from_dkv(self) -> bool:
-        """A bias of the full [B, N] extent takes dz from the dK/dV kernel; a broadcast one from
-        `_dbias_kernel`, which sums over the broadcast axes instead of materialising B*N*T*S."""
-        return self.bias == (self.B, self.N)
+def heuristic_config(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
+                     spec: AttentionSpec) -> PallasTpuAttentionConfig:
+    """Compiled: a 512 x 512 f32 score tile is 1 MiB; the forward holds q, k, v tiles
+    (double-buffered, <= 256 KiB each at H = 256 bf16) and ~4 score-sized temporaries. The backward
+    holds more temporaries (p, dp, dz and casts), so it takes 256-row query blocks. Interpreted:
+    small blocks (the interpreter pays per grid step) that still make the test suite's T, S <= 200
+    cross block boundaries (several query blocks, two key blocks at S = 200)."""
+    del q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec
+    if interpret_enabled():
+        return PallasTpuAttentionConfig(block_q=64, block_k=128, bwd_block_q=64, bwd_block_k=128)
+    return PallasTpuAttentionConfig(block_q=512, block_k=512, bwd_block_q=256, bwd_block_k=512)
 
 
-def _bias_dtype(bias):
-    return jnp.dtype(_F32 if bias.dtype == jnp.float16 else bias.dtype)
+def candidate_configs(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
+                      spec: AttentionSpec) -> tuple[PallasTpuAttentionConfig, ...]:
+    """The search space, the heuristic's config first: forward and backward blocks from 128 to
+    1024 queries and 128 to 1024 keys, each half varied with the other at the heuristic's, score
+    tiles of at most 512 x 1024 (forward) and 256 x 1024 (backward) f32 (VMEM)."""
+    base = heuristic_config(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec=spec)
+    if interpret_enabled():
+        sizes = [(bq, bk) for bq in (32, 64, 128) for bk in (128, 256)]
+        fwd_limit = bwd_limit = 128 * 256
+    else:
+        sizes = [(bq, bk) for bq in (128, 256, 512, 1024) for bk in (128, 256, 512, 1024)]
+        fwd_limit, bwd_limit = 512 * 1024, 256 * 1024
+    configs = [base]
+    configs += [base.replace(block_q=bq, block_k=bk) for bq, bk in sizes if bq * bk <= fwd_limit]
+    configs += [base.replace(bwd_block_q=bq, bwd_block_k=bk) for bq, bk in sizes if bq * bk <= bwd_limit]
+    return tuple(dict.fromkeys(configs))
 
 
-def _layout(q, k, v, bias, mask, qseg, *, backward: bool) -> _Layout:
+def _layout(q, k, v, bias, mask, qseg, config: PallasTpuAttentionConfig, *, backward: bool) -> Layout:
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
-    H, Hv = _round_up(H, 64), _round_up(Hv, 64)  # the kernels' head dims (`_heads_major` pads)
+    H, Hv = round_up(H, 64), round_up(Hv, 64)  # the kernels' head dims (`_heads_major` pads)
     dtype = jnp.dtype(_F32 if q.dtype == jnp.float16 else q.dtype)
-    bq, bk = _INTERPRET_BLOCKS if interpret_enabled() else (_BWD_BLOCKS if backward else _FWD_BLOCKS)
+    bq, bk = (config.bwd_block_q, config.bwd_block_k) if backward else (config.block_q, config.block_k)
     # Rows: 8 sublanes of 32 bits -> 16 rows of bf16, 32 of int8 (the mask tile).
-    row_dtypes = [dtype] + ([] if bias is None else [_bias_dtype(bias)])
+    row_dtypes = [dtype] + ([] if bias is None else [bias_dtype(bias)])
     align = 32 if mask is not None else max(32 // jnp.dtype(d).itemsize for d in row_dtypes)
     # As many blocks as the cap needs, each as small as covers the sequence: padding stays
     # under one alignment unit per block (T = 600 runs 2 blocks of 304, not 2 of 512).
-    bq = _round_up(pl.cdiv(T, pl.cdiv(T, bq)), align)
-    bk = _round_up(pl.cdiv(S, pl.cdiv(S, bk)), 128)
-    return _Layout(
+    bq = round_up(pl.cdiv(T, pl.cdiv(T, bq)), align)
+    bk = round_up(pl.cdiv(S, pl.cdiv(S, bk)), 128)
+    return Layout(
         B, T, S, N, K, H, Hv, bq, bk, dtype,
         None if bias is None else tuple(bias.shape[:2]),
         None if mask is None else tuple(mask.shape[:2]),
@@ -171,468 +121,7 @@ def _layout(q, k, v, bias, mask, qseg, *, backward: bool) -> _Layout:
     )
 
 
-# ----------------------------------------------------------------------------- kernel pieces
-
-
-def _dot(a, b, dims):
-    """f32-accumulated a . b over `dims`; exact (HIGHEST) for f32 operands."""
-    precision = lax.Precision.HIGHEST if a.dtype == _F32 else None
-    return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=_F32)
-
-
-_NT = ((1,), (1,))  # a @ b.T
-_NN = ((1,), (0,))  # a @ b
-
-
-def _live(L: _Layout, spec: AttentionSpec, i, j):
-    """Whether query block i and key block j share any position-allowed (t, s) (True if unrestricted)."""
-    live = True
-    shift = L.S - L.T  # query t sits at key position t + S - T
-    if spec.right is not None:  # some s <= t + shift + right: the block's first key vs its last query
-        live = jnp.logical_and(live, j * L.bk <= (i + 1) * L.bq - 1 + shift + spec.right)
-    if spec.window_left is not None:  # some s >= t + shift - left: its last key vs its first query
-        live = jnp.logical_and(live, (j + 1) * L.bk - 1 >= i * L.bq + shift - spec.window_left)
-    return live
-
-
-def _full(L: _Layout, spec: AttentionSpec, i, j):
-    """Whether every (t, s) of query block i and key block j is position-allowed and a real key
-    (s < S): such a tile needs no position or tail mask (True if always)."""
-    full = True
-    shift = L.S - L.T
-    if spec.right is not None:  # its last key vs its first query
-        full = jnp.logical_and(full, (j + 1) * L.bk - 1 <= i * L.bq + shift + spec.right)
-    if spec.window_left is not None:  # its first key vs its last query
-        full = jnp.logical_and(full, j * L.bk >= (i + 1) * L.bq - 1 + shift - spec.window_left)
-    if L.Sp != L.S:
-        full = jnp.logical_and(full, j < L.nk - 1)
-    return full
-
-
-def _reach(reach_ref, b, row, rows: int):
-    """(first, last, first full, last full) streamed block of block `row` of batch b
-    (`_segment_reach`)."""
-    at = 4 * (b * rows + row)
-    return tuple(reach_ref[at + c] for c in range(4))
-
-
-def _within(x, lo, hi):
-    return jnp.logical_and(x >= lo, x <= hi)
-
-
-def _tile(L: _Layout, spec: AttentionSpec, reach_ref, b, i, j, *, rows_are_keys: bool):
-    """(live, full) of the tile (query block i, key block j): live = some (t, s) allowed by position
-    and segment ids, full = every (t, s) allowed and s < S, so `_scores` may skip those masks.
-    The reach table is per query block (forward, dq) or per key block (dkv: rows_are_keys)."""
-    live, full = _live(L, spec, i, j), _full(L, spec, i, j)
-    if reach_ref is not None:
-        row, streamed, rows = (j, i, L.nk) if rows_are_keys else (i, j, L.nq)
-        lo, hi, full_lo, full_hi = _reach(reach_ref, b, row, rows)
-        live = jnp.logical_and(live, _within(streamed, lo, hi))
-        full = jnp.logical_and(full, _within(streamed, full_lo, full_hi))
-    return live, full
-
-
-def _on_live_tiles(live, full, step):
-    """Runs step(masked) where live: unmasked on full tiles, masked on the others."""
-    if full is True:  # no position mask, no key tail, no segments
-        pl.when(live)(lambda: step(False))
-        return
-    pl.when(jnp.logical_and(live, full))(lambda: step(False))
-    pl.when(jnp.logical_and(live, jnp.logical_not(full)))(lambda: step(True))
-
-
-def _split_reach(L: _Layout, refs):
-    """(segment reach ref or None, the other refs): the scalar-prefetched table comes first."""
-    return (refs[0], refs[1:]) if L.segments else (None, refs)
-
-
-def _scores(L: _Layout, spec: AttentionSpec, q, k, opt, b, n, i, j, masked: bool):
-    """(z masked with -inf, tanh of the soft cap or None, dropout keep or None) for one (bq, bk)
-    tile; `masked` False skips the position, key-tail and segment masks (a full tile, `_tile`)."""
-    z = _dot(q, k, _NT) * spec.scale
-    th = None
-    if spec.logit_soft_cap is not None:
-        th = jnp.tanh(z * (1.0 / spec.logit_soft_cap))
-        z = spec.logit_soft_cap * th
-    if opt.bias is not None:
-        z = z + opt.bias[...].astype(_F32)
-    # A (bq, 1) column of query and a (1, bk) row of key indices: the dropout hash's per-row
-    # round then runs on bq elements, not bq * bk.
-    t = i * L.bq + lax.broadcasted_iota(jnp.int32, (L.bq, 1), 0)
-    s = j * L.bk + lax.broadcasted_iota(jnp.int32, (1, L.bk), 1)
-    allowed = []
-    if masked:
-        if L.Sp != L.S:
-            allowed.append(s < L.S)
-        positions = allowed_positions(spec, t, s, L.T, L.S)
-        if positions is not None:
-            allowed.append(positions)
-        if L.segments:
-            allowed.append(opt.qseg[...] == opt.kvseg[...])  # (bq, 1) == (1, bk)
-    if opt.mask is not None:
-        allowed.append(opt.mask[...] != 0)
-    if allowed:
-        z = jnp.where(functools.reduce(jnp.logical_and, allowed), z, -jnp.inf)
-    keep = None
-    if spec.dropout_rate > 0:
-        seed = jnp.full((1, 1), opt.seed[0], jnp.int32).astype(jnp.uint32)
-        keep = dropout_keep(seed, b, n, t, s, L.N, spec.dropout_threshold)
-    return z, th, keep
-
-
-@dataclasses.dataclass
-class _Optional:
-    bias: object = None
-    mask: object = None
-    qseg: object = None
-    kvseg: object = None
-    seed: object = None
-
-
-def _take_optional(L: _Layout, spec: AttentionSpec, refs):
-    """Splits the optional input refs (in `_optional_inputs` order) off the front of `refs`."""
-    refs = list(refs)
-    opt = _Optional()
-    if L.bias is not None:
-        opt.bias = refs.pop(0)
-    if L.mask is not None:
-        opt.mask = refs.pop(0)
-    if L.segments:
-        opt.qseg, opt.kvseg = refs.pop(0), refs.pop(0)
-    if spec.dropout_rate > 0:
-        opt.seed = refs.pop(0)
-    return opt, refs
-
-
-def _dropped(p, keep, spec):
-    return p if keep is None else jnp.where(keep, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
-
-
-# ----------------------------------------------------------------------------- kernels
-
-
-def _fwd_kernel(*refs, L: _Layout, spec: AttentionSpec):
-    reach_ref, (q_ref, k_ref, v_ref, *refs) = _split_reach(L, refs)
-    opt, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _take_optional(L, spec, refs)
-    b, n, i, j = (pl.program_id(a) for a in range(4))
-
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, _F32)
-        l_sc[...] = jnp.zeros(l_sc.shape, _F32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
-
-    def step(masked):
-        z, _, keep = _scores(L, spec, q_ref[...], k_ref[...], opt, b, n, i, j, masked)
-        m_old = m_sc[...]
-        m_new = jnp.maximum(m_old, jnp.max(z, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # an all-masked row so far: exp(-inf) = 0
-        alpha = jnp.exp(m_old - m_safe)
-        p = jnp.exp(z - m_safe)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_sc[...] = m_new
-        v = v_ref[...]
-        acc_sc[...] = alpha * acc_sc[...] + _dot(_dropped(p, keep, spec).astype(v.dtype), v, _NN)
-
-    _on_live_tiles(*_tile(L, spec, reach_ref, b, i, j, rows_are_keys=False), step)
-
-    @pl.when(j == pl.num_programs(3) - 1)
-    def _finish():
-        l = l_sc[...]
-        nonempty = l > 0
-        inv = 1.0 / jnp.where(nonempty, l, 1.0)
-        o_ref[...] = jnp.where(nonempty, acc_sc[...] * inv, 0.0).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(nonempty, m_sc[...] + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
-
-
-def _grad_tile(L, spec, q, k, v, do, lse, delta, opt, b, n, i, j, masked):
-    """(pd, dz before the soft-cap factor, dz after it) of one tile, all f32."""
-    z, th, keep = _scores(L, spec, q, k, opt, b, n, i, j, masked)
-    p = jnp.exp(z - lse)  # lse is +inf on empty and padded rows: p = 0
-    dp = _dropped(_dot(do, v, _NT), keep, spec)
-    dz = p * (dp - delta)
-    dz_capped = dz if th is None else dz * (1.0 - th * th)
-    return _dropped(p, keep, spec), dz, dz_capped
-
-
-def _dkv_kernel(*refs, L: _Layout, spec: AttentionSpec):
-    reach_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs) = _split_reach(L, refs)
-    opt, rest = _take_optional(L, spec, refs)
-    dk_ref, dv_ref = rest[:2]
-    dz_ref = rest[2] if L.dz_from_dkv else None
-    dk_sc, dv_sc = rest[-2:]
-    b, kh, j, g, i = (pl.program_id(a) for a in range(5))
-    n = kh * L.G + g
-    first = jnp.logical_and(g == 0, i == 0)
-    last = jnp.logical_and(g == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1)
-
-    @pl.when(first)
-    def _init():
-        dk_sc[...] = jnp.zeros(dk_sc.shape, _F32)
-        dv_sc[...] = jnp.zeros(dv_sc.shape, _F32)
-
-    live, full = _tile(L, spec, reach_ref, b, i, j, rows_are_keys=True)
-
-    def step(masked):
-        q, do = q_ref[...], do_ref[...]
-        pd, dz, dz_capped = _grad_tile(
-            L, spec, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], opt, b, n, i, j, masked)
-        dv_sc[...] += _dot(pd.T.astype(do.dtype), do, _NN)
-        dk_sc[...] += spec.scale * _dot(dz_capped.T.astype(q.dtype), q, _NN)
-        if dz_ref is not None:
-            dz_ref[...] = dz
-
-    _on_live_tiles(live, full, step)
-
-    if dz_ref is not None:
-        @pl.when(jnp.logical_not(live))
-        def _skipped():
-            dz_ref[...] = jnp.zeros(dz_ref.shape, _F32)
-
-    @pl.when(last)
-    def _finish():
-        dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
-        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
-
-
-def _dbias_kernel(*refs, L: _Layout, spec: AttentionSpec):
-    """dbias of a bias broadcast over batch and/or heads. Grid (Bb, Nb, nq, nk, Rb, Rn): the last
-    two ("arbitrary") walk the broadcast batch (Rb = B when Bb = 1) and heads (Rn = N when
-    Nb = 1), and dz accumulates in the resident f32 output tile. Costs the scores and dO V^T
-    matmuls once more per (b, n) tile, but never holds more than the bias' own size."""
-    reach_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs) = _split_reach(L, refs)
-    opt, (dbias_ref,) = _take_optional(L, spec, refs)
-    gb, gn, i, j, rb, rn = (pl.program_id(a) for a in range(6))
-    b, n = gb + rb, gn + rn  # one of each pair is always 0
-
-    @pl.when(jnp.logical_and(rb == 0, rn == 0))
-    def _init():
-        dbias_ref[...] = jnp.zeros(dbias_ref.shape, _F32)
-
-    def step(masked):
-        _, dz, _ = _grad_tile(
-            L, spec, q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], opt, b, n, i, j, masked)
-        dbias_ref[...] += dz
-
-    _on_live_tiles(*_tile(L, spec, reach_ref, b, i, j, rows_are_keys=False), step)
-
-
-def _dq_kernel(*refs, L: _Layout, spec: AttentionSpec):
-    reach_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs) = _split_reach(L, refs)
-    opt, (dq_ref, dq_sc) = _take_optional(L, spec, refs)
-    b, n, i, j = (pl.program_id(a) for a in range(4))
-
-    @pl.when(j == 0)
-    def _init():
-        dq_sc[...] = jnp.zeros(dq_sc.shape, _F32)
-
-    def step(masked):
-        k = k_ref[...]
-        _, _, dz_capped = _grad_tile(
-            L, spec, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], opt, b, n, i, j, masked)
-        dq_sc[...] += spec.scale * _dot(dz_capped.astype(k.dtype), k, _NN)
-
-    _on_live_tiles(*_tile(L, spec, reach_ref, b, i, j, rows_are_keys=False), step)
-
-    @pl.when(j == pl.num_programs(3) - 1)
-    def _finish():
-        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
-
-
-# ----------------------------------------------------------------------------- launchers
-# Index maps see the grid's indices through an `ids` function that names them (b, n, i, j):
-# the forward / dq grid is (B, N, nq, nk), the dkv grid (B, K, nk, G, nq). Under causal/window
-# the streamed axis is clamped into the live range, so a skipped step asks for the block the
-# previous step already holds and the pipeline issues no DMA for it (the body does not run).
-# Bounds: floor divisions of possibly negative numbers, done with lax.div (truncation; jnp's
-# // lowers through `sign`, which needs a TPU to lower); they differ only below 0, where the
-# clamp to [0, n - 1] makes them agree.
-
-
-def _key_range(L: _Layout, spec: AttentionSpec, i):
-    """(first, last) key block with allowed positions for query block i (unclamped)."""
-    shift = L.S - L.T
-    lo = 0 if spec.window_left is None else lax.div(i * L.bq + shift - spec.window_left, L.bk)
-    hi = L.nk - 1 if spec.right is None else lax.div((i + 1) * L.bq - 1 + shift + spec.right, L.bk)
-    return lo, hi
-
-
-def _query_range(L: _Layout, spec: AttentionSpec, j):
-    """(first, last) query block with allowed positions for key block j (unclamped)."""
-    shift = L.S - L.T
-    lo = 0 if spec.right is None else lax.div(j * L.bk - shift - spec.right, L.bq)
-    hi = L.nq - 1 if spec.window_left is None else lax.div((j + 1) * L.bk - 1 - shift + spec.window_left, L.bq)
-    return lo, hi
-
-
-def _clamp(x, lo, hi, n):
-    return jnp.minimum(jnp.maximum(jnp.minimum(jnp.maximum(x, lo), hi), 0), n - 1)
-
-
-def _narrowed(bounds, reach):
-    """Position bounds (lo, hi) intersected with the segment reach (`_reach`) when there is one."""
-    if reach is None:
-        return bounds
-    lo, hi, _, _ = reach
-    return jnp.maximum(bounds[0], lo), jnp.minimum(bounds[1], hi)
-
-
-def _fwd_grid_ids(L: _Layout, spec: AttentionSpec):
-    def ids(b, n, i, j, *reach_ref):
-        if spec.has_position_mask or reach_ref:
-            reach = _reach(reach_ref[0], b, i, L.nq) if reach_ref else None
-            j = _clamp(j, *_narrowed(_key_range(L, spec, i), reach), L.nk)
-        return b, n, i, j
-    return ids
-
-
-def _dkv_grid_ids(L: _Layout, spec: AttentionSpec):
-    def ids(b, kh, j, g, i, *reach_ref):
-        if spec.has_position_mask or reach_ref:
-            reach = _reach(reach_ref[0], b, j, L.nk) if reach_ref else None
-            i = _clamp(i, *_narrowed(_query_range(L, spec, j), reach), L.nq)
-        return b, kh * L.G + g, i, j
-    return ids
-
-
-def _specs(L: _Layout, spec: AttentionSpec, ids, *, grad: bool):
-    """BlockSpecs of (q, k, v, [do, lse, delta], optional inputs); `ids` maps grid indices (and
-    the scalar-prefetched segment reach) to (b, n, i, j)."""
-    at = lambda f: (lambda *g: f(*ids(*g)))  # noqa: E731
-    row_block = lambda width: pl.BlockSpec((None, None, L.bq, width), at(lambda b, n, i, j: (b, n, i, 0)))  # noqa: E731
-    kv_block = lambda width: pl.BlockSpec((None, None, L.bk, width), at(lambda b, n, i, j: (b, lax.div(n, L.G), j, 0)))  # noqa: E731
-    specs = [row_block(L.H), kv_block(L.H), kv_block(L.Hv)]
-    if grad:
-        specs += [row_block(L.Hv), row_block(1), row_block(1)]
-    for shape in (L.bias, L.mask):
-        if shape is not None:
-            bb, nb = shape
-            specs.append(pl.BlockSpec(
-                (None, None, L.bq, L.bk),
-                at(lambda b, n, i, j, bb=bb, nb=nb: (b if bb > 1 else 0, n if nb > 1 else 0, i, j)),
-            ))
-    if L.segments:
-        specs.append(pl.BlockSpec((None, L.bq, 1), at(lambda b, n, i, j: (b, i, 0))))
-        specs.append(pl.BlockSpec((None, 1, L.bk), at(lambda b, n, i, j: (b, 0, j))))
-    if spec.dropout_rate > 0:
-        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-    return specs
-
-
-def _call(kernel, L: _Layout, *, grid, in_specs, out_specs, out_shape, scratch, semantics, cost, interpret):
-    """The pallas_call; with segment ids its first argument is the segment reach table, prefetched
-    into SMEM so index maps and kernel bodies can read it."""
-    call = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=int(L.segments), grid=grid, in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=scratch,
-        ),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT),
-        cost_estimate=cost,
-        interpret=pltpu.InterpretParams() if interpret else False,
-    )
-    return without_effects(call, out_shape) if interpret else call
-
-
-def _cost(L: _Layout, spec: AttentionSpec, matmuls: int, nbytes: int):
-    pairs = L.B * L.N * L.T * L.S * (0.5 if spec.causal and L.T == L.S else 1.0)
-    return pl.CostEstimate(
-        flops=int(2 * pairs * (matmuls[0] * L.H + matmuls[1] * L.Hv)),
-        transcendentals=int(pairs * (2 if spec.logit_soft_cap else 1)), bytes_accessed=int(nbytes),
-    )
-
-
-def _nbytes(*arrays):
-    return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
-
-
-@functools.lru_cache(maxsize=None)
-def _fwd_call(L: _Layout, spec: AttentionSpec, out_dtype, interpret: bool, nbytes: int):
-    ids = _fwd_grid_ids(L, spec)
-    out_shape = [
-        jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.Hv), out_dtype),
-        jax.ShapeDtypeStruct((L.B, L.N, L.Tp, 1), _F32),
-    ]
-    out_specs = [
-        pl.BlockSpec((None, None, L.bq, L.Hv), lambda b, n, i, j, *_: (b, n, i, 0)),
-        pl.BlockSpec((None, None, L.bq, 1), lambda b, n, i, j, *_: (b, n, i, 0)),
-    ]
-    return _call(
-        functools.partial(_fwd_kernel, L=L, spec=spec), L,
-        grid=(L.B, L.N, L.nq, L.nk),
-        in_specs=_specs(L, spec, ids, grad=False),
-        out_specs=out_specs,
-        out_shape=out_shape,
-        scratch=[pltpu.VMEM((L.bq, 1), _F32), pltpu.VMEM((L.bq, 1), _F32), pltpu.VMEM((L.bq, L.Hv), _F32)],
-        semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        cost=_cost(L, spec, (1, 1), nbytes),
-        interpret=interpret,
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _dkv_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
-    kv_map = lambda b, kh, j, g, i, *_: (b, kh, j, 0)  # noqa: E731
-    out_shape = [
-        jax.ShapeDtypeStruct((L.B, L.K, L.Sp, L.H), L.dtype),
-        jax.ShapeDtypeStruct((L.B, L.K, L.Sp, L.Hv), L.dtype),
-    ]
-    out_specs = [pl.BlockSpec((None, None, L.bk, L.H), kv_map), pl.BlockSpec((None, None, L.bk, L.Hv), kv_map)]
-    if L.dz_from_dkv:
-        out_shape.append(jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.Sp), _F32))
-        out_specs.append(pl.BlockSpec(
-            (None, None, L.bq, L.bk), lambda b, kh, j, g, i, *_: (b, kh * L.G + g, i, j)))
-    return _call(
-        functools.partial(_dkv_kernel, L=L, spec=spec), L,
-        grid=(L.B, L.K, L.nk, L.G, L.nq),
-        in_specs=_specs(L, spec, _dkv_grid_ids(L, spec), grad=True),
-        out_specs=out_specs,
-        out_shape=out_shape,
-        scratch=[pltpu.VMEM((L.bk, L.H), _F32), pltpu.VMEM((L.bk, L.Hv), _F32)],
-        semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
-        cost=_cost(L, spec, (2, 2), nbytes),
-        interpret=interpret,
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _dbias_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
-    Bb, Nb = L.bias
-    reduced = (L.B if Bb == 1 else 1, L.N if Nb == 1 else 1)
-    ids = lambda gb, gn, i, j, rb, rn, *_: (gb + rb, gn + rn, i, j)  # noqa: E731
-    return _call(
-        functools.partial(_dbias_kernel, L=L, spec=spec), L,
-        grid=(Bb, Nb, L.nq, L.nk, *reduced),
-        in_specs=_specs(L, spec, ids, grad=True),
-        out_specs=pl.BlockSpec((None, None, L.bq, L.bk), lambda gb, gn, i, j, *_: (gb, gn, i, j)),
-        out_shape=jax.ShapeDtypeStruct((Bb, Nb, L.Tp, L.Sp), _F32),
-        scratch=[],
-        semantics=("parallel",) * 4 + ("arbitrary",) * 2,
-        cost=_cost(L, spec, (1, 1), nbytes),
-        interpret=interpret,
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _dq_call(L: _Layout, spec: AttentionSpec, interpret: bool, nbytes: int):
-    out_shape = jax.ShapeDtypeStruct((L.B, L.N, L.Tp, L.H), L.dtype)
-    return _call(
-        functools.partial(_dq_kernel, L=L, spec=spec), L,
-        grid=(L.B, L.N, L.nq, L.nk),
-        in_specs=_specs(L, spec, _fwd_grid_ids(L, spec), grad=True),
-        out_specs=pl.BlockSpec((None, None, L.bq, L.H), lambda b, n, i, j, *_: (b, n, i, 0)),
-        out_shape=out_shape,
-        scratch=[pltpu.VMEM((L.bq, L.H), _F32)],
-        semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        cost=_cost(L, spec, (2, 1), nbytes),
-        interpret=interpret,
-    )
-
-
-# ----------------------------------------------------------------------------- wrappers
+# ----------------------------------------------------------------------------- host side
 
 
 def _pad_axis(a, axis, size, value=0):
@@ -655,7 +144,7 @@ def _token_major(a, length, width):
     return jnp.swapaxes(a[:, :, :length, :width], 1, 2)
 
 
-def _rows(a, L: _Layout, value=0.0):
+def _rows(a, L: Layout, value=0.0):
     """[B, N, T] per-row vector -> [B, N, Tp, 1] column."""
     return _pad_axis(a, 2, L.Tp, value)[..., None]
 
@@ -672,10 +161,10 @@ def _segment_reach(row_ids, col_ids, row_block: int, col_block: int):
     return jnp.stack([lo // col_block, (hi - 1) // col_block, full_lo, full_hi], axis=-1).reshape(-1)
 
 
-def _optional_inputs(L: _Layout, spec: AttentionSpec, bias, mask, qseg, kvseg, seed):
+def _optional_inputs(L: Layout, spec: AttentionSpec, bias, mask, qseg, kvseg, seed):
     extra = []
     if bias is not None:
-        extra.append(_pad_axis(_pad_axis(bias.astype(_bias_dtype(bias)), 2, L.Tp), 3, L.Sp))
+        extra.append(_pad_axis(_pad_axis(bias.astype(bias_dtype(bias)), 2, L.Tp), 3, L.Sp))
     if mask is not None:
         extra.append(_pad_axis(_pad_axis(mask.astype(jnp.int8), 2, L.Tp), 3, L.Sp))
     if L.segments:
@@ -686,22 +175,24 @@ def _optional_inputs(L: _Layout, spec: AttentionSpec, bias, mask, qseg, kvseg, s
     return extra
 
 
-def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec: AttentionSpec):
-    L = _layout(q, k, v, bias, mask, q_segment_ids, backward=False)
+def _forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec: AttentionSpec, *,
+             config: PallasTpuAttentionConfig):
+    L = _layout(q, k, v, bias, mask, q_segment_ids, config, backward=False)
     args = [_heads_major(q, L.Tp, L.dtype, L.H), _heads_major(k, L.Sp, L.dtype, L.H),
             _heads_major(v, L.Sp, L.dtype, L.Hv)]
     args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
     if L.segments:
         args.insert(0, _segment_reach(q_segment_ids, kv_segment_ids, L.bq, L.bk))
     out_dtype = jnp.dtype(L.dtype if q.dtype == jnp.float16 else q.dtype)
-    call = _fwd_call(L, spec, out_dtype, interpret_enabled(), _nbytes(*args) + L.B * L.N * L.T * L.Hv * out_dtype.itemsize)
+    call = fwd_call(L, spec, out_dtype, interpret_enabled(), total_bytes(*args) + L.B * L.N * L.T * L.Hv * out_dtype.itemsize)
     out, lse = call(*args)
     out = _token_major(out, L.T, v.shape[3]).astype(q.dtype)
     return out, lse[:, :, :L.T, 0]
 
 
-def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec: AttentionSpec):
-    L = _layout(q, k, v, bias, mask, q_segment_ids, backward=True)
+def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse,
+              spec: AttentionSpec, *, config: PallasTpuAttentionConfig):
+    L = _layout(q, k, v, bias, mask, q_segment_ids, config, backward=True)
     delta = jnp.einsum("btnh,btnh->bnt", dout.astype(_F32), out.astype(_F32)) - dlse.astype(_F32)
     lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # empty rows: p = exp(z - inf) = 0
     args = [
@@ -711,16 +202,16 @@ def _backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     ]
     args += _optional_inputs(L, spec, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
     interpret = interpret_enabled()
-    nbytes = _nbytes(*args)
+    nbytes = total_bytes(*args)
     dkv_args, dq_args = args, args
     if L.segments:  # the dkv grid streams query blocks per key block, the dq grid the reverse
         dkv_args = [_segment_reach(kv_segment_ids, q_segment_ids, L.bk, L.bq), *args]
         dq_args = [_segment_reach(q_segment_ids, kv_segment_ids, L.bq, L.bk), *args]
-    dk, dv, *dz = _dkv_call(L, spec, interpret, nbytes)(*dkv_args)
-    dq = _dq_call(L, spec, interpret, nbytes)(*dq_args)
+    dk, dv, *dz = dkv_call(L, spec, interpret, nbytes)(*dkv_args)
+    dq = dq_call(L, spec, interpret, nbytes)(*dq_args)
     dbias = None
     if bias is not None:
-        dz = dz[0] if L.dz_from_dkv else _dbias_call(L, spec, interpret, nbytes)(*dq_args)
+        dz = dz[0] if L.dz_from_dkv else dbias_call(L, spec, interpret, nbytes)(*dq_args)
         dbias = dz[:, :, :L.T, :L.S].astype(bias.dtype)
     H, Hv = q.shape[3], v.shape[3]
     return (_token_major(dq, L.T, H).astype(q.dtype), _token_major(dk, L.S, H).astype(k.dtype),
@@ -739,9 +230,28 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     return None
 
 
+@functools.cache
+def _differentiable(config: PallasTpuAttentionConfig):
+    kernels = AttentionKernels(forward=functools.partial(_forward, config=config),
+                               backward=functools.partial(_backward, config=config))
+    return differentiable_attention(kernels)
+
+
+def attention(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec,
+              config: PallasTpuAttentionConfig | None = None):
+    """The backend's `fn` (signature: kernels/common/attention.py); `config` None: the heuristic's."""
+    args = (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed)
+    if config is None:
+        config = heuristic_config(*args, spec=spec)
+    return _differentiable(config)(*args, spec=spec)
+
+
 ATTENTION = Implementation(
-    fn=differentiable_attention(AttentionKernels(forward=_forward, backward=_backward)),
+    fn=attention,
     platforms=("tpu",),
     interpretable=True,
     supports=_supports,
+    config_type=PallasTpuAttentionConfig,
+    heuristic_config=heuristic_config,
+    candidate_configs=candidate_configs,
 )
