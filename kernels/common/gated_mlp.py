@@ -34,6 +34,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from forgeax.kernels.common.batching import fold_vmap_into_rows
+
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_TANH_C = 0.044715
@@ -138,10 +140,14 @@ def differentiable_gated_mlp(forward: Forward, backward: Backward,
     def _forward(x, w_gate, w_up, w_down, spec, config, save):
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
+        # Kernel launches have no batching rule; rows of x are independent, so a vmap over x alone
+        # folds into the rows (over the weights: one launch per batch element).
         if save:
-            h, pre = forward_saving(x2, w_gate, w_up, activation=spec.activation, config=config)
+            kernel = functools.partial(forward_saving, activation=spec.activation, config=config)
+            h, pre = fold_vmap_into_rows(kernel, (0,))(x2, w_gate, w_up)
         else:
-            h, pre = forward(x2, w_gate, w_up, activation=spec.activation, config=config), None
+            kernel = functools.partial(forward, activation=spec.activation, config=config)
+            h, pre = fold_vmap_into_rows(kernel, (0,))(x2, w_gate, w_up), None
         y = h if w_down is None else matmul(h, w_down)
         return y.reshape(*lead, y.shape[-1]), (x, w_gate, w_up, w_down, pre)
 
@@ -157,7 +163,8 @@ def differentiable_gated_mlp(forward: Forward, backward: Backward,
         dy2 = dy.reshape(x2.shape[0], -1).astype(x.dtype)
         dh = dy2 if w_down is None else matmul(dy2, w_down, transpose_b=True)
         if pre is None:
-            dpre, h = backward(x2, w_gate, w_up, dh, activation=spec.activation, config=config, want_h=w_down is not None)
+            kernel = functools.partial(backward, activation=spec.activation, config=config, want_h=w_down is not None)
+            dpre, h = fold_vmap_into_rows(kernel, (0, 3))(x2, w_gate, w_up, dh)
         else:
             dpre, h = _from_preactivations(pre, dh, spec.activation, w_down is not None)
         dw_down = None if w_down is None else matmul(h, dy2, transpose_a=True, out_dtype=w_down.dtype)
