@@ -351,3 +351,72 @@ def _attention_spec() -> Spec:
 
 
 SPECS["attention"] = _attention_spec()
+
+
+def _rope_qk_spec() -> Spec:
+    # dims: (B, T, N, K, H): q [B, T, N, H], k [B, T, K, H] (K < N: GQA), positions [B, T].
+    shapes = (
+        Shape("llama2-7b MHA B8 T4096 N32 H128", (8, 4096, 32, 32, 128), "bfloat16"),
+        Shape("llama3-8b GQA B8 T4096 N32 KV8 H128", (8, 4096, 32, 8, 128), "bfloat16"),
+        Shape("small f32", (1, 256, 4, 2, 64), "float32", small=True),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        B, T, N, K, H = shape.dims
+        kq, kk, kdq, kdk = jax.random.split(key, 4)
+        normal = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(shape.dtype)  # noqa: E731
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        return normal(kq, (B, T, N, H)), normal(kk, (B, T, K, H)), positions, (normal(kdq, (B, T, N, H)), normal(kdk, (B, T, K, H)))
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        fn = functools.partial(ops.rope_qk, backend=backend, **options)
+        if mode == "fwd":
+            return jax.jit(lambda q, k, positions, ct: fn(q, k, positions))
+
+        def fwd_bwd(q, k, positions, ct):
+            out, pullback = jax.vjp(lambda q, k: fn(q, k, positions), q, k)
+            return out, pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        B, T, N, K, H = shape.dims
+        # fwd: read q, k and the positions, write q, k. fwd+bwd adds: read dq, dk, write their rotations.
+        qk = B * T * (N + K) * H * jnp.dtype(shape.dtype).itemsize
+        return (2 if mode == "fwd" else 4) * qk + B * T * 4, 0.0
+
+    return Spec("rope_qk", shapes, make_inputs, build, floor, precheck=False)
+
+
+def _add_rms_norm_spec() -> Spec:
+    shapes = (
+        Shape("llama3-8b 32k tokens", (32768, 4096), "bfloat16"),
+        Shape("llama3-70b 8k tokens", (8192, 8192), "bfloat16"),
+        Shape("small f32", (4096, 1024), "float32", small=True),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        kx, kr, ks, kn, kd = jax.random.split(key, 5)
+        normal = lambda k: jax.random.normal(k, shape.dims, jnp.float32).astype(shape.dtype)  # noqa: E731
+        scale = 1.0 + 0.1 * jax.random.normal(ks, shape.dims[-1:], jnp.float32)
+        return normal(kx), normal(kr), scale, (normal(kn), normal(kd))
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        fn = functools.partial(ops.add_rms_norm, backend=backend, **options)
+        if mode == "fwd":
+            return jax.jit(lambda x, r, s, ct: fn(x, r, s))
+
+        def fwd_bwd(x, r, s, ct):  # both outputs used, as in a pre-norm block
+            out, pullback = jax.vjp(fn, x, r, s)
+            return out, pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    # fwd: read x and residual, write normed and the sum. fwd+bwd adds: read both cotangents and
+    # write d(sum) once (the gradient of x and of residual is one array).
+    return Spec("add_rms_norm", shapes, make_inputs, build, _passes_floor(fwd=4, fwd_bwd=7), options={"eps": NORM_EPS},
+                precheck=False)
+
+
+SPECS["rope_qk"] = _rope_qk_spec()
+SPECS["add_rms_norm"] = _add_rms_norm_spec()
