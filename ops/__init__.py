@@ -24,6 +24,7 @@ from forgeax.ops.attention import attention
 from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.gated_mlp import gated_mlp
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
+from forgeax.ops.moe import moe_mlp
 from forgeax.ops.newton_schulz import newton_schulz
 from forgeax.ops.norms import layer_norm, rms_norm
 from forgeax.ops.ragged_dot import ragged_dot, ragged_dot_transposed
@@ -50,6 +51,7 @@ __all__ = [
     "interpret_mode",
     "layer_norm",
     "linear_cross_entropy",
+    "moe_mlp",
     "newton_schulz",
     "pad_to_ring",
     "ragged_dot",

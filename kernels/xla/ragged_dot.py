@@ -13,6 +13,8 @@ differentiated by JAX's own rules.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -53,13 +55,43 @@ _TRANSPOSED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]
                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
+def _precision(dtype):
+    # f32 operands get true f32 products (no TF32 on GPUs), as the reference.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def lax_ragged_dot(lhs, rhs, group_sizes, *, spec: RaggedDotSpec):
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.dtype(spec.out_dtype))
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=_precision(lhs.dtype),
+                              preferred_element_type=jnp.dtype(spec.out_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _lax_transposed(lhs, dout, group_sizes, out_dtype):
+    return jax.lax.ragged_dot_general(lhs, dout.astype(lhs.dtype), group_sizes, _TRANSPOSED,
+                                      precision=_precision(lhs.dtype), preferred_element_type=out_dtype)
+
+
+def _lax_transposed_fwd(lhs, dout, group_sizes, out_dtype):
+    return _lax_transposed(lhs, dout, group_sizes, out_dtype), (lhs, dout, group_sizes)
+
+
+def _lax_transposed_bwd(out_dtype, residuals, dt):
+    # JAX has no transpose rule for a ragged contracting dimension: the two grouped products.
+    del out_dtype
+    lhs, dout, group_sizes = residuals
+    dt = dt.astype(lhs.dtype)
+    precision = _precision(lhs.dtype)
+    dlhs = jax.lax.ragged_dot(dout.astype(lhs.dtype), jnp.swapaxes(dt, 1, 2), group_sizes, precision=precision,
+                              preferred_element_type=lhs.dtype)
+    ddout = jax.lax.ragged_dot(lhs, dt, group_sizes, precision=precision, preferred_element_type=dout.dtype)
+    return dlhs, ddout, None
+
+
+_lax_transposed.defvjp(_lax_transposed_fwd, _lax_transposed_bwd)
 
 
 def lax_ragged_dot_transposed(lhs, dout, group_sizes, *, spec: RaggedDotSpec):
-    dout = dout.astype(lhs.dtype)
-    return jax.lax.ragged_dot_general(lhs, dout, group_sizes, _TRANSPOSED, preferred_element_type=jnp.dtype(spec.out_dtype))
+    return _lax_transposed(lhs, dout, group_sizes, jnp.dtype(spec.out_dtype))
 
 
 RAGGED_DOT = Implementation(fn=ragged_dot)
