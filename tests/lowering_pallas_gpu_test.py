@@ -1,4 +1,5 @@
-"""Cross-lowering of the Mosaic GPU norm kernels for cuda on CPU (no GPU needed).
+"""Cross-lowering of the Mosaic GPU norm kernels (and every candidate attention config) for cuda on
+CPU (no GPU needed).
 
 `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs the whole
 Python side of Pallas Mosaic GPU: kernel tracing, the Mosaic GPU dialect, the
@@ -134,3 +135,39 @@ def test_mosaic_gpu_ops_refuse_gpus_that_cannot_run_them(capability, norms_refus
         assert (reason is not None) == expected[op], (op, reason)
         if reason is not None:
             assert capability in reason
+
+
+# (q shape, v head dim, causal, window left, segment ids): calls whose candidate configs differ.
+CONFIG_CALLS = {
+    "H128 causal": ((1, 1024, 8, 128), 128, True, None, False),
+    "H64 GQA window": ((1, 1024, 8, 64), 64, True, 256, False),
+    "H256 causal": ((1, 512, 4, 256), 256, True, None, False),
+    "MLA 192/128 segments": ((1, 512, 4, 192), 128, True, None, True),
+}
+
+
+@pytest.mark.parametrize("call", CONFIG_CALLS)
+def test_every_candidate_attention_config_lowers(call):
+    """Every config `candidate_configs` offers for a call (what tune_attention.py times) is a
+    kernel Mosaic GPU lowers, forward and backward: no schedule switch builds an invalid kernel."""
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.pallas.gpu import attention as gpu_attention
+
+    shape, Hv, causal, left, segmented = CONFIG_CALLS[call]
+    B, T, N, H = shape
+    spec = AttentionSpec(causal=causal, scale=H ** -0.5, window_left=left, window_right=0 if causal else None)
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, 2, H), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, T, 2, Hv), jnp.bfloat16)
+    ids = (jax.ShapeDtypeStruct((B, T), jnp.int32),) * 2 if segmented else ()
+    args = (q, k, v, None, None, *(ids or (None, None)), None)
+    configs = gpu_attention.candidate_configs(*args, spec=spec)
+    assert configs[0] == gpu_attention.heuristic_config(*args, spec=spec) and len(configs) >= 4
+    for config in configs:
+        def loss(q, k, v, *ids, config=config):
+            out, _ = gpu_attention.ATTENTION.fn(q, k, v, None, None, *(ids or (None, None)), None, spec=spec,
+                                                config=config)
+            return jnp.sum(out.astype(jnp.float32))
+
+        text = _lower_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, *ids)
+        assert text.count(CUSTOM_CALL) >= 3, config  # forward, dq (or dq from dz^T), dK/dV

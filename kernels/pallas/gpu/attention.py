@@ -50,7 +50,8 @@ class AttentionConfig(KernelConfig):
     call's decision; `heuristic_config` makes them per call). Structural limits stay with the
     kernels: the flat forward needs a persistent grid of several tiles per CTA and SMEM for two
     Q buffers; delta in the dQ kernel needs dq_block_kv >= 128, equal head dims, no left window
-    and no segment ids; the dz^T tiles need v no wider than q/k and must fit dz_tiles_max_bytes.
+    and no segment ids; the dz^T tiles need head_dim <= 128, v no wider than q/k, and must fit
+    dz_tiles_max_bytes.
 
     Forward:
       overlap: FA3's intra-warpgroup overlap (softmax of block j beside P_{j-1} V_{j-1}).
@@ -139,20 +140,23 @@ def heuristic_config(q, k, v, bias=None, mask=None, q_segment_ids=None, kv_segme
 
 
 def candidate_configs(*args, **kwargs) -> list[AttentionConfig]:
-    """The heuristic config and its one-switch variants that are valid for the call: the search
-    space of tune_attention.py and the interpreter tests."""
+    """The heuristic config and its one-switch variants that build a different valid kernel for
+    the call: the search space benchmarks/tune_attention.py times."""
     base = heuristic_config(*args, **kwargs)
     H = kernel_head_dims(args[0].shape[3], args[2].shape[3]) or (HEAD_DIMS[-1],)
-    flips = [dict(persistent=not base.persistent, flat_forward=False), dict(dz_tiles=not base.dz_tiles),
-             dict(delta_in_dq_kernel=not base.delta_in_dq_kernel), dict(persistent_dq=not base.persistent_dq),
-             dict(persistent_dkv=not base.persistent_dkv), dict(dkv_fa3_order=not base.dkv_fa3_order),
-             dict(persistent_dq_from_dz=not base.persistent_dq_from_dz)]
+    flips = [dict(persistent=not base.persistent, flat_forward=False), dict(persistent_dq=not base.persistent_dq),
+             dict(persistent_dkv=not base.persistent_dkv)]
+    if base.dz_tiles:
+        flips.append(dict(persistent_dq_from_dz=not base.persistent_dq_from_dz))
+    if base.one_dkv_launch:
+        flips.append(dict(dkv_fa3_order=not base.dkv_fa3_order))
     if H[0] <= 128:
-        flips += [dict(overlap=not base.overlap, flat_forward=False),
+        flips += [dict(overlap=not base.overlap, flat_forward=False), dict(dz_tiles=not base.dz_tiles),
+                  dict(delta_in_dq_kernel=not base.delta_in_dq_kernel),
                   dict(dq_block_kv=64 if base.dq_block_kv == 128 else 128)]
         if base.overlap and base.persistent:
             flips.append(dict(flat_forward=not base.flat_forward))
-    else:
+    elif H[0] < HEAD_DIMS[-1]:  # at 256 one launch or 64-query dk blocks exceed the registers / SMEM
         flips += [dict(one_dkv_launch=not base.one_dkv_launch),
                   dict(dk_query_block=64 if base.dk_query_block == 32 else 32)]
     configs = [base]

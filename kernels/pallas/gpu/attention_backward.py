@@ -496,9 +496,10 @@ def _dz_layout(spec: AttentionSpec, tails: Tails) -> PackedTiles:
 
 def _dz_tiles(spec: AttentionSpec, tails: Tails, B: int, N: int, dt, config: AttentionConfig) -> PackedTiles | None:
     """The dz^T tiles' layout (`_dz_layout`) when the backward takes dq from them (`_dq_from_dz`),
-    else None: where `config.dz_tiles` asks for them, v is no wider than q/k and the B*N heads'
-    packed tiles fit `config.dz_tiles_max_bytes`."""
-    if not config.dz_tiles or tails.value_head_dim > tails.head_dim:
+    else None: where `config.dz_tiles` asks for them, at head dims <= 128 (whose dK/dV query
+    block is a warpgroup's 64 rows), v no wider than q/k, while the B*N heads' packed tiles fit
+    `config.dz_tiles_max_bytes`."""
+    if not config.dz_tiles or tails.head_dim > 128 or tails.value_head_dim > tails.head_dim:
         return None
     layout = _dz_layout(spec, tails)
     nbytes = B * N * layout.entries * CTA * layout.blk * jnp.dtype(dt).itemsize
