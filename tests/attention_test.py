@@ -1019,7 +1019,7 @@ def test_pallas_gpu_config_is_validated_and_candidates_are_valid():
     for H in (64, 128, 256):
         q = jax.ShapeDtypeStruct((1, 256, 2, H), jnp.bfloat16)
         configs = candidate_configs(q, q, q, None, None, None, None, None, spec=AttentionSpec(causal=True))
-        assert configs[0] == _gpu_heuristic(H, N=2, K=2, T=256) and len(set(configs)) == len(configs) > 4
+        assert configs[0] == _gpu_heuristic(H, N=2, K=2, T=256) and len(set(configs)) == len(configs) >= 4
     with pytest.raises(NotImplementedError, match="takes no config"):  # UnsupportedError
         q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
         ops.attention(q, q, q, backend="xla", config=base)
