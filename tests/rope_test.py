@@ -139,7 +139,7 @@ def test_rope_equals_complex_multiplication(backend, interleaved):
     for rotary_dim in (80, 48):
         got = ops.rope(x, positions, theta=10000.0, rotary_dim=rotary_dim, interleaved=interleaved, backend=backend)
         want = _complex_rope(x, positions, theta=10000.0, rotary_dim=rotary_dim, interleaved=interleaved)
-        assert conformance.relative_error(got, want) < 2e-6, rotary_dim
+        assert conformance.relative_error(got, want) < 5e-6, rotary_dim
 
 
 @pytest.mark.parametrize("backend", ROPE_BACKENDS)
@@ -161,7 +161,7 @@ def test_interleaved_is_half_split_of_the_deinterleaved_head(backend):
     inverse = np.argsort(order)
     gptj = ops.rope(x, positions, rotary_dim=r, interleaved=True, backend=backend)
     neox = ops.rope(x[..., order], positions, rotary_dim=r, backend=backend)[..., inverse]
-    assert conformance.relative_error(gptj, neox) < 1e-6
+    assert conformance.relative_error(gptj, neox) < 5e-6
 
 
 @pytest.mark.parametrize("backend", QK_BACKENDS)
@@ -180,7 +180,7 @@ def test_gradient_is_the_inverse_rotation(backend):
     (dx,) = pullback(ct)
     # Rotating the gradient forward again gives the cotangent back (a rotation is orthogonal).
     back = ops.rope(dx, positions, backend=backend)
-    assert conformance.relative_error(back, ct) < 2e-6
+    assert conformance.relative_error(back, ct) < 5e-6
 
 
 @pytest.mark.parametrize("backend", ROPE_BACKENDS)
@@ -193,7 +193,7 @@ def test_every_candidate_config_matches_reference(backend):
     want = _qk_reference(q, k, positions, rotary_dim=48)
     for config in impl.candidate_configs(q, k, positions, spec=spec):
         got = jnp.concatenate(ops.rope_qk(q, k, positions, rotary_dim=48, backend=backend, config=config), axis=2)
-        assert conformance.relative_error(got, want) < 1e-6, config
+        assert conformance.relative_error(got, want) < 5e-6, config
 
 
 @pytest.mark.parametrize("backend", ROPE_BACKENDS)
@@ -209,8 +209,8 @@ def test_vmap_and_jit_match_reference(backend):
     ref = functools.partial(ops.rope, backend="xla", interleaved=True)
     got = jax.jit(jax.vmap(jax.grad(functools.partial(loss, ours))))(xs)
     want = jax.vmap(jax.grad(functools.partial(loss, ref)))(xs)
-    assert conformance.relative_error(got, want) < 1e-6
-    assert conformance.relative_error(jax.vmap(lambda x: ours(x, positions))(xs), jax.vmap(lambda x: ref(x, positions))(xs)) < 1e-6
+    assert conformance.relative_error(got, want) < 5e-6
+    assert conformance.relative_error(jax.vmap(lambda x: ours(x, positions))(xs), jax.vmap(lambda x: ref(x, positions))(xs)) < 5e-6
 
 
 def test_llama3_scaling_bands():

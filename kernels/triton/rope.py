@@ -93,6 +93,9 @@ def _rope_kernel(
     if FAST_TRIG:  # one MUFU op each (|error| < 1e-6 on [-pi, pi]); libdevice's sinf/cosf cost ~30 instructions
         cos = libdevice.fast_cosf(reduced)
         sin = libdevice.fast_sinf(reduced)
+        zero = reduced == 0.0  # position 0 (or a multiple of 2pi) is exactly the identity
+        cos = tl.where(zero, 1.0, cos)
+        sin = tl.where(zero, 0.0, sin)
     else:  # Triton's interpreter has no libdevice
         cos = tl.cos(reduced)
         sin = tl.sin(reduced)
