@@ -408,7 +408,10 @@ def _add_rms_norm_spec() -> Spec:
 
         def fwd_bwd(x, r, s, ct):  # both outputs used, as in a pre-norm block
             out, pullback = jax.vjp(fn, x, r, s)
-            return out, pullback(ct)
+            dx, _, dscale = pullback(ct)
+            # d residual is the same array as dx: returning it too would time a copy XLA adds
+            # only to give the program two distinct output buffers.
+            return out, dx, dscale
 
         return jax.jit(fwd_bwd)
 
