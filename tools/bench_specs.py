@@ -423,3 +423,88 @@ def _add_rms_norm_spec() -> Spec:
 
 SPECS["rope_qk"] = _rope_qk_spec()
 SPECS["add_rms_norm"] = _add_rms_norm_spec()
+
+
+def _ragged_dot_spec() -> Spec:
+    # dims: (M rows, K, N, G groups). Options: "groups" (how rows fall into groups: "balanced"
+    # uniform random routing, "skewed" Zipf-like expert popularity), "moe" (dims are then
+    # (T tokens, D, F, E, top_k): a whole moe_mlp layer, the three products on this backend).
+    shapes = (
+        Shape("G8 M16384 K4096 N4096 balanced", (16384, 4096, 4096, 8), "bfloat16", options=(("groups", "balanced"),)),
+        Shape("G64 M16384 K4096 N4096 skewed", (16384, 4096, 4096, 64), "bfloat16", options=(("groups", "skewed"),)),
+        Shape("G128 M16384 K4096 N4096 skewed", (16384, 4096, 4096, 128), "bfloat16", options=(("groups", "skewed"),)),
+        Shape("deepseek-v3 routed T8192 top8 G256 K7168 N2048", (65536, 7168, 2048, 256), "bfloat16",
+              options=(("groups", "balanced"),)),
+        Shape("moe_mlp mixtral-8x7b T8192 top2", (8192, 4096, 14336, 8, 2), "bfloat16", options=(("moe", True),)),
+        Shape("small f32 G8", (2048, 256, 512, 8), "float32", small=True, options=(("groups", "skewed"),)),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        options = dict(shape.options)
+        normal = lambda k, s, scale=1.0: (scale * jax.random.normal(k, s, jnp.float32)).astype(shape.dtype)  # noqa: E731
+        ks = jax.random.split(key, 6)
+        if options.get("moe"):
+            t, d, f, e, _ = shape.dims
+            return (normal(ks[0], (t, d)), jax.random.normal(ks[1], (t, e), jnp.float32), normal(ks[2], (e, d, f), d ** -0.5),
+                    normal(ks[3], (e, d, f), d ** -0.5), normal(ks[4], (e, f, d), f ** -0.5), normal(ks[5], (t, d)))
+        m, k, n, g = shape.dims
+        weights = jnp.ones(g) if options["groups"] == "balanced" else 1.0 / (1.0 + jnp.arange(g)) ** 1.2
+        rows = jax.random.categorical(ks[0], jnp.log(weights), shape=(m,))
+        sizes = jnp.bincount(rows, length=g).astype(jnp.int32)
+        return normal(ks[1], (m, k)), normal(ks[2], (g, k, n), k ** -0.5), sizes, normal(ks[3], (m, n))
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        options = dict(options)
+        if options.pop("moe", False):
+            return _moe_step(backend, mode, options)
+        options.pop("groups", None)
+        if backend == "xla":
+            raise UnsupportedError("the reference runs G dense products: not a benchmark backend")
+        return _ragged_step(functools.partial(ops.ragged_dot, backend=backend, **options), mode)
+
+    def _ragged_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+        if mode == "fwd":
+            return jax.jit(lambda lhs, rhs, sizes, ct: fn(lhs, rhs, sizes))
+
+        def fwd_bwd(lhs, rhs, sizes, ct):
+            out, pullback = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
+            return (out,) + pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    def _moe_step(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        if backend == "xla":
+            raise UnsupportedError("the reference runs E dense products: not a benchmark backend")
+        fn = functools.partial(ops.moe_mlp, top_k=2, backend=backend)
+        if mode == "fwd":
+            return jax.jit(lambda x, logits, wg, wu, wd, ct: fn(x, logits, wg, wu, wd))
+
+        def fwd_bwd(x, logits, wg, wu, wd, ct):
+            out, pullback = jax.vjp(fn, x, logits, wg, wu, wd)
+            return (out,) + pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    def jax_lax_ragged_dot(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        # XLA's production path: jax.lax.ragged_dot (inside the same MoE layer for the moe shape).
+        options = dict(options)
+        if options.pop("moe", False):
+            return _moe_step("xla_ragged", mode, options)
+        return _ragged_step(jax.lax.ragged_dot, mode)
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        itemsize = jnp.dtype(shape.dtype).itemsize
+        if dict(shape.options).get("moe"):
+            t, d, f, e, top_k = shape.dims
+            flops = 3 * 2.0 * t * top_k * d * f  # gate, up, down over T * top_k rows
+            tensors = 2 * t * d + 3 * e * d * f
+            return (tensors if mode == "fwd" else 2 * tensors) * itemsize, flops * (1 if mode == "fwd" else 3)
+        m, k, n, g = shape.dims
+        tensors = m * k + g * k * n + m * n
+        return (tensors if mode == "fwd" else 2 * tensors) * itemsize, 2.0 * m * k * n * (1 if mode == "fwd" else 3)
+
+    return Spec("ragged_dot", shapes, make_inputs, build, floor, anchors={"jax_lax_ragged_dot": jax_lax_ragged_dot},
+                main_anchor="jax_lax_ragged_dot", precheck=False)
+
+
+SPECS["ragged_dot"] = _ragged_dot_spec()
