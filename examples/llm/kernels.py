@@ -68,18 +68,25 @@ def fwd_bwd(make, args, backend: str | None):
     return jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(args)))))
 
 
-def measure(fn, args, reps: int = 5) -> tuple[float, int | None]:
-    """(median seconds per call, compiled temporary bytes) of jitted `fn` at `args`."""
+def compile_case(fn, args):
+    """(compiled, temporary bytes) of jitted `fn` at `args`, run once (warm-up)."""
     compiled = fn.lower(*args).compile()
     mem = compiled.memory_analysis()
     temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
     jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), temp
+    return compiled, temp
+
+
+def time_rounds(compiled: dict, args, rounds: int = 5) -> dict:
+    """Seconds per call of each compiled function, timed in alternating rounds; the minimum over
+    rounds (the least disturbed by other work on the machine)."""
+    times = {name: [] for name in compiled}
+    for _ in range(rounds):
+        for name, c in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(c(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(t) for name, t in times.items()}
 
 
 def native_backends(name: str) -> list[str]:
@@ -112,13 +119,18 @@ def choose(name: str, cfg: ModelConfig, batch: int, *, cache: Path | None = None
     table = json.loads(cache.read_text()) if cache.exists() else {}
     if key in table:
         return table[key]["backend"], table[key]
-    times = {}
+    compiled = {}
     for b in native_backends(name):
         try:
-            times[b] = measure(fwd_bwd(make, args, b), args, reps=3)[0]
+            compiled[b] = compile_case(fwd_bwd(make, args, b), args)[0]
         except Exception as e:  # noqa: BLE001 - unsupported at these shapes or failed to compile: skip it
             log(f"  auto {name}: {b} skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    best = min(times, key=times.get)
+    if len(compiled) == 1:  # nothing to compare (e.g. only the reference runs here)
+        best, times = next(iter(compiled)), {next(iter(compiled)): None}
+    else:
+        times = time_rounds(compiled, args)
+        best = min(times, key=times.get)
+        log(f"  auto {name}: " + ", ".join(f"{b} {t * 1e3:.2f} ms" for b, t in sorted(times.items(), key=lambda kv: kv[1])))
     record = {"backend": best, "seconds_fwd_bwd": times}
     table[key] = record
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -153,11 +165,14 @@ def report(loss_fn, params, batch_arrays, backends: dict[str, str | None], cfg: 
     for name, op_name in OPS.items():
         make, args = op_case(name, cfg, batch)
         chosen = sorted(ran.get(op_name, {backends[name] or "xla"}))
-        t_x, m_x = measure(fwd_bwd(make, args, "xla"), args)
+        c_x, m_x = compile_case(fwd_bwd(make, args, "xla"), args)
         if chosen == ["xla"]:
+            t_x = time_rounds({"xla": c_x}, args)["xla"]
             t_c, m_c = t_x, m_x
         else:
-            t_c, m_c = measure(fwd_bwd(make, args, chosen[0]), args)
+            c_c, m_c = compile_case(fwd_bwd(make, args, chosen[0]), args)
+            t = time_rounds({"xla": c_x, "chosen": c_c}, args)
+            t_x, t_c = t["xla"], t["chosen"]
         rows.append({"op": name, "forgeax_op": op_name, "backend": "+".join(chosen), "calls": sum(
             1 for d in explanation.decisions if d.op == op_name), "seconds": t_c, "xla_seconds": t_x,
             "speedup": t_x / t_c if t_c else None, "temp_bytes": m_c, "xla_temp_bytes": m_x})
@@ -199,4 +214,5 @@ def print_report(rows: list[dict], console=None) -> None:
         saved = "" if None in (r["temp_bytes"], r["xla_temp_bytes"]) else mb(r["xla_temp_bytes"] - r["temp_bytes"])
         t.add_row(r["op"], r["backend"], str(r["calls"]), ms(r["seconds"]), ms(r["xla_seconds"]),
                   "" if r["speedup"] is None else f"{r['speedup']:.2f}x", mb(r["temp_bytes"]), mb(r["xla_temp_bytes"]), saved)
+    console.width = max(console.width, 112)  # a pipe defaults to 80 columns
     console.print(t)

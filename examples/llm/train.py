@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", action="store_true", help="recompute layer activations in the backward (less memory)")
     p.add_argument("--data", help="text file, folder of text files, or .bin (uint16) / .npy tokens (default: pydoc_data.topics)")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -302,11 +302,14 @@ def benchmark(args, cfg, settings, backends, state, step_fn, corpus, put, log) -
     kind = jax.devices()[0].device_kind
     peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
     flops_per_token = 6 * cfg.num_params()
+    palm_flops = 6 * (cfg.num_params() - cfg.vocab * cfg.d_model) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
     stats = jax.devices()[0].memory_stats() or {}
     result = {"device": kind, "preset": args.preset, "params": cfg.num_params(), "batch": args.batch, "seq_len": cfg.seq_len,
               "dtype": cfg.dtype, "ops": settings, "backends": backends, "steps": args.benchmark_steps,
               "step_seconds": seconds, "tokens_per_second": tps,
               "mfu": flops_per_token * tps / peak if peak else None, "peak_flops": peak,
+              # PaLM's accounting: no embedding lookup, plus attention's score and value products.
+              "mfu_palm": palm_flops * tps / peak if peak else None, "remat": cfg.remat,
               "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "loss": loss, "jax": jax.__version__}
     print(json.dumps(result))
     return result
