@@ -32,7 +32,7 @@ CASES = [
     ((17,), 40, 24, None, jnp.float16, True),
     ((1,), 64, 128, 64, jnp.bfloat16, False),
 ]
-_IDS = lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name if not isinstance(c, (int, bool)) or isinstance(c, bool) else str(c)  # noqa: E731
+_IDS = lambda c: f"{c[0]}-K{c[1]}-N{c[2]}-down{c[3]}-{jnp.dtype(c[4]).name}-{'fused' if c[5] else 'separate'}"  # noqa: E731
 
 
 def _args(lead, k, n, k_out, dtype, fused):
@@ -42,7 +42,7 @@ def _args(lead, k, n, k_out, dtype, fused):
     return x, w, None if fused else w, down
 
 
-def _fwd_bwd(impl, spec, w_down_given):
+def _fwd_bwd(impl, spec):
     def forward(x, wg, wu, wd):
         return impl.fn(x, wg, wu, wd, spec=spec, config=impl.heuristic_config(x, wg, wu, wd, spec=spec))
 
@@ -50,7 +50,6 @@ def _fwd_bwd(impl, spec, w_down_given):
         out, pullback = jax.vjp(forward, x, wg, wu, wd)
         return out, pullback(ct)
 
-    del w_down_given
     return forward, backward
 
 
@@ -61,7 +60,7 @@ def _cotangent(x, wd, n):
 def _check(impl, platform, custom_call, case, activation="silu"):
     x, wg, wu, wd = _args(*case)
     spec = GatedMLPSpec(activation=activation)
-    forward, backward = _fwd_bwd(impl, spec, wd is not None)
+    forward, backward = _fwd_bwd(impl, spec)
     text = conformance.lowered_text(forward, x, wg, wu, wd, platform=platform)
     assert text.count(custom_call) == 1, text[:2000]
     text = conformance.lowered_text(backward, x, wg, wu, wd, _cotangent(x, wd, case[2]), platform=platform)

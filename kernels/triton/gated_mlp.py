@@ -40,9 +40,6 @@ from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_SQRT_HALF = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -50,7 +47,8 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 @triton.jit
 def _act(g, ACT: tl.constexpr):
-    """(act(g), act'(g)) in f32; ACT indexes ("silu", "gelu", "gelu_tanh", "relu")."""
+    """(act(g), act'(g)) in f32; ACT indexes ("silu", "gelu", "gelu_tanh", "relu"). Constants:
+    1/sqrt(2), 1/sqrt(2 pi), sqrt(2/pi), 3 * 0.044715."""
     if ACT == 0:
         s = tl.sigmoid(g)
         return g * s, s * (1.0 + g * (1.0 - s))
