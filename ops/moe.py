@@ -97,11 +97,12 @@ def _expert_mlp(xs, group_sizes, w_gate, w_up, w_down, activation, backend):
     return ragged_dot(h, w_down, group_sizes, backend=backend)
 
 
-def _sorted_compute(xs, keys, groups, w_gate, w_up, w_down, activation, backend):
-    """expert_{keys[i]}(xs[i]) for every row (keys == groups: dropped, 0), via a sort by key."""
+def _sorted_compute(x, source, keys, groups, w_gate, w_up, w_down, activation, backend):
+    """expert_{keys[i]}(x[source[i]]) for every row i (keys == groups: dropped, 0), via a sort by
+    key; x rows are gathered once, in sorted order."""
     order = jnp.argsort(keys, stable=True)
     group_sizes = jnp.bincount(keys, length=groups + 1)[:groups].astype(jnp.int32)
-    y = _expert_mlp(xs[order], group_sizes, w_gate, w_up, w_down, activation, backend)
+    y = _expert_mlp(x[source[order]], group_sizes, w_gate, w_up, w_down, activation, backend)
     return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
 
 
@@ -181,8 +182,8 @@ def _single_device(x, logits, w_gate, w_up, w_down, top_k, activation, renormali
     capacity = _capacity(capacity_factor, t, top_k, e)
     keep = jnp.ones_like(flat, dtype=bool) if capacity is None else pos < capacity
     keys = jnp.where(keep, flat, e)
-    xs = jnp.repeat(x, top_k, axis=0)  # row a = x[a // k]
-    y = _sorted_compute(xs, keys, e, w_gate, w_up, w_down, activation, backend)
+    source = jnp.arange(t * top_k, dtype=jnp.int32) // top_k  # assignment a is token a // k
+    y = _sorted_compute(x, source, keys, e, w_gate, w_up, w_down, activation, backend)
     out = _combine(y, weights, keep, t, top_k, x.dtype)
     return out, _aux_loss(jnp.sum(probs, axis=0), counts, t, top_k, e)
 
@@ -221,7 +222,8 @@ def _expert_parallel(x, logits, w_gate, w_up, w_down, top_k, activation, renorma
     send_e = jnp.where(valid, flat[sorted_rows] - jnp.arange(p)[:, None] * e_local, e_local)
     recv_x = jax.lax.all_to_all(send_x, axis, 0, 0, tiled=False)
     recv_e = jax.lax.all_to_all(send_e, axis, 0, 0, tiled=False)
-    y = _sorted_compute(recv_x.reshape(p * a, -1), recv_e.reshape(-1), e_local, w_gate, w_up, w_down, activation, backend)
+    y = _sorted_compute(recv_x.reshape(p * a, -1), jnp.arange(p * a), recv_e.reshape(-1), e_local, w_gate, w_up, w_down,
+                        activation, backend)
     back = jax.lax.all_to_all(y.reshape(p, a, -1), axis, 0, 0, tiled=False)  # [P, A, D]: my assignments' results
     # Unpermute: assignment sorted_rows[q, i] came back at back[q, i].
     y_assign = jnp.zeros((a, x.shape[1]), back.dtype).at[jnp.where(valid, sorted_rows, a)].set(back, mode="drop")
