@@ -17,8 +17,8 @@ output is in G's dtype.
 `newton_schulz_with(Kernels(gram=..., update=...))` builds a backend from two kernels on
 [batch, M, K] arrays (M <= N already): `gram(x, c, alpha, beta)` = alpha x x^T + beta c
 (c None: no term) and `update(b, x, a)` = a x + b x. The gradient of every kernel backend is
-the autodiff of `reference` (recomputed in the backward, a custom_vjp): Muon never
-differentiates this op, so its backward is the oracle itself rather than a kernel.
+the reference's (recomputed in the backward, a custom_vjp): the autodiff of the iteration in f32.
+Muon never differentiates this op, so its backward is the oracle itself rather than a kernel.
 """
 
 from __future__ import annotations
@@ -46,30 +46,57 @@ class NewtonSchulzSpec:
 
 
 def _dot(x, y, contract_last: bool):
-    """x @ y^T (contract_last) or x @ y over the last two axes, bf16 operands, f32 result."""
+    """x @ y^T (contract_last) or x @ y over the last two axes, f32 result."""
     dims = ((x.ndim - 1,), (y.ndim - 1 if contract_last else y.ndim - 2,))
     batch = tuple(range(x.ndim - 2))
-    return jax.lax.dot_general(x, y, (dims, (batch, batch)), preferred_element_type=jnp.float32)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None  # f32: no TF32 on GPUs
+    return jax.lax.dot_general(x, y, (dims, (batch, batch)), precision=precision, preferred_element_type=jnp.float32)
 
 
-def normalise(g: jax.Array, eps: float) -> jax.Array:
-    """g / (||g||_F + eps) per matrix (last two axes), computed in f32, rounded to bf16."""
+def normalise(g: jax.Array, eps: float, dtype=ITERATION_DTYPE) -> jax.Array:
+    """g / (||g||_F + eps) per matrix (last two axes), computed in f32, rounded to `dtype`."""
     g32 = g.astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(g32 * g32, axis=(-2, -1), keepdims=True))
-    return (g32 / (norm + eps)).astype(ITERATION_DTYPE)
+    return (g32 / (norm + eps)).astype(dtype)
+
+
+def _iteration(g: jax.Array, spec: NewtonSchulzSpec, dtype) -> jax.Array:
+    """The iteration with operands (and A, B, X between steps) in `dtype`, f32 accumulation."""
+    a, b, c = spec.coefficients
+    transpose = g.shape[-2] > g.shape[-1]
+    x = normalise(jnp.swapaxes(g, -1, -2) if transpose else g, spec.eps, dtype)
+    for _ in range(spec.steps):
+        gram = _dot(x, x, contract_last=True).astype(dtype)
+        poly = (b * gram.astype(jnp.float32) + c * _dot(gram, gram, contract_last=True)).astype(dtype)
+        x = (a * x.astype(jnp.float32) + _dot(poly, x, contract_last=False)).astype(dtype)
+    out = jnp.swapaxes(x, -1, -2) if transpose else x
+    return out.astype(g.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reference(g: jax.Array, spec: NewtonSchulzSpec) -> jax.Array:
+    return _iteration(g, spec, ITERATION_DTYPE)
+
+
+def _reference_fwd(g, spec):
+    return _reference(g, spec), g
+
+
+def _reference_bwd(spec, g, cotangent):
+    _, pullback = jax.vjp(lambda g: _iteration(g, spec, jnp.float32), g.astype(jnp.float32))
+    (grad,) = pullback(cotangent.astype(jnp.float32))
+    return (grad.astype(g.dtype),)
+
+
+_reference.defvjp(_reference_fwd, _reference_bwd)
 
 
 def reference(g: jax.Array, *, spec: NewtonSchulzSpec) -> jax.Array:
-    """The plain iteration in jax.numpy (see the module docstring); differentiable by autodiff."""
-    a, b, c = spec.coefficients
-    transpose = g.shape[-2] > g.shape[-1]
-    x = normalise(jnp.swapaxes(g, -1, -2) if transpose else g, spec.eps)
-    for _ in range(spec.steps):
-        gram = _dot(x, x, contract_last=True).astype(ITERATION_DTYPE)
-        poly = (b * gram.astype(jnp.float32) + c * _dot(gram, gram, contract_last=True)).astype(ITERATION_DTYPE)
-        x = (a * x.astype(jnp.float32) + _dot(poly, x, contract_last=False)).astype(ITERATION_DTYPE)
-    out = jnp.swapaxes(x, -1, -2) if transpose else x
-    return out.astype(g.dtype)
+    """The plain iteration in jax.numpy (see the module docstring), in bf16. Its gradient is the
+    autodiff of the same iteration in f32: the derivative of the polynomial map itself, since
+    bf16 rounding has no useful derivative (autodiff through the bf16 casts gives a gradient
+    that moves by percents when the cotangent moves by one bf16 rounding)."""
+    return _reference(g, spec)
 
 
 def xla_gram(x, c, alpha: float, beta: float, config=None):
@@ -125,13 +152,16 @@ def newton_schulz_with(kernels: Kernels) -> Callable[..., jax.Array]:
         return forward(g, spec, config), g
 
     def forward_bwd(spec, config, g, cotangent):
-        _, pullback = jax.vjp(lambda g: reference(g, spec=spec), g)
-        return pullback(cotangent)
+        return _reference_bwd(spec, g, cotangent)
 
     forward.defvjp(forward_fwd, forward_bwd)
 
+    # Jitted as a whole, so that an eager call does not dispatch the kernels op by op (the
+    # Pallas TPU interpreter can deadlock XLA's CPU pool when its callbacks run eagerly).
+    jitted = jax.jit(forward, static_argnums=(1, 2))
+
     def fn(g: jax.Array, *, spec: NewtonSchulzSpec, config=None) -> jax.Array:
-        return forward(g, spec, config)
+        return jitted(g, spec, config)
 
     return fn
 

@@ -3,7 +3,8 @@
 `newton_schulz(g, spec=NewtonSchulzSpec(steps, (a, b, c), eps))` on [..., M, N]: transpose when
 M > N, X = g / (||g||_F + eps) in f32, then `steps` times A = X X^T, B = b A + c A A,
 X = a X + B X with bf16 operands and f32 accumulation (kernels/common/newton_schulz.py has the
-math). Output in g's dtype. Its JAX autodiff is the gradient of every backend.
+math). Output in g's dtype. Its gradient, the autodiff of the same iteration in f32 (a
+custom_vjp), is every backend's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,9 @@
+"""The newton_schulz conformance suite, for the Triton backend in Triton's interpreter.
+
+Triton's interpreter exists only if TRITON_INTERPRET=1 is set before `import
+triton`, so this suite runs in its own process (Bazel target); BUILD sets
+FORGEAX_TEST_BACKENDS=triton so that only the Triton backend is collected here
+(the other backends run in //tests:newton_schulz_test).
+"""
+
+from newton_schulz_test import *  # noqa: F403 - the same tests, another backend set
