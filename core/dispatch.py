@@ -66,7 +66,8 @@ class Decision:
     config: str
     rule: str
     skipped: tuple[tuple[str, str], ...]
-    gradient: str | None = None
+    gradient: str | None = None  # "<backend> (<the rule that chose it>)" when it differs
+    gradient_backend: str | None = None
 
     def __str__(self) -> str:
         lines = [f"{self.call} -> {self.backend}"]
@@ -262,7 +263,7 @@ def _decision(op: Op, args, kwargs, backend: str | None, choice: Choice) -> Deci
     if choice.gradient_backend is not None:
         gradient = f"{choice.gradient_backend} ({_rule_text(choice.gradient_rule, None)})"
     return Decision(op.name, op.describe_call(args, kwargs), choice.backend, config,
-                    _rule_text(choice.rule, backend), choice.skipped, gradient)
+                    _rule_text(choice.rule, backend), choice.skipped, gradient, choice.gradient_backend)
 
 
 # The registry: op name -> Op.

@@ -20,7 +20,7 @@ import pytest
 
 import conformance
 from forgeax import ops
-from forgeax.ops import interface
+from forgeax import core as interface
 
 BACKENDS = [b for b in conformance.runnable_backends("attention") if b != "xla"]
 ON_CPU = interface.current_platform() == "cpu"
@@ -844,22 +844,22 @@ def test_jit_grad_vmap_checkpoint_bf16(backend):
 
 # backend=None on a Hopper GPU: (N, K, H, options) -> (backend of a call that is not differentiated,
 # backend of its forward and backward under a gradient; None = the same one). See
-# ops/attention.py's _inference_order and _training_order for the measurements behind the split.
+# ops/rules/attention.json for the measurements behind the split.
 DEFAULT_SPLIT_CASES = {
-    # _training_order: pallas_gpu for both under GQA at causal head_dim 128 (its dz^T tiles fit).
+    # rule causal-gqa-head-dim-128: pallas_gpu for both under GQA at causal head_dim 128 (its dz^T tiles fit).
     "gqa": (8, 2, 128, dict(causal=True), ("pallas_gpu", None)),
     "window": (4, 4, 128, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
     "head_dim_256": (4, 4, 256, dict(causal=True), ("cudnn", None)),
     "causal_mha": (4, 4, 128, dict(causal=True), ("pallas_gpu", "cudnn")),
     "full_gqa": (8, 2, 128, dict(), ("cudnn", None)),
-    # ops/attention.py's _training_order: pallas_gpu for both at causal head_dim 64 without a window.
+    # rule causal-head-dim-64: pallas_gpu for both at causal head_dim 64 without a window.
     "causal_head_dim_64": (4, 4, 64, dict(causal=True), ("pallas_gpu", None)),
     "window_head_dim_64": (4, 4, 64, dict(causal=True, window=(100, 0)), ("pallas_gpu", "cudnn")),
     "full_head_dim_64": (4, 4, 64, dict(), ("cudnn", None)),
     "causal_head_dim_192": (4, 4, 192, dict(causal=True), ("pallas_gpu", None)),
     # MLA's unequal head dims, which cuDNN cannot compute: pallas_gpu (v padded to 192).
     "mla": (4, 4, (192, 128), dict(causal=True), ("pallas_gpu", None)),
-    # ops/attention.py's _pallas_gpu_pads_head_dims: Triton's forward, then pallas_gpu's (padded)
+    # the rule forward-padded-head-dim: Triton's forward, then pallas_gpu's (padded)
     # under a gradient, where cuDNN cannot (segment ids); cuDNN where it can.
     "packed_head_dim_80": (4, 4, 80, dict(causal=True, segment_ids=(_documents(2, 256, 64, 5),) * 2),
                            ("triton", "pallas_gpu")),
@@ -870,15 +870,23 @@ DEFAULT_SPLIT_CASES = {
 }
 
 
+def _rule_prefer(platform, args, spec, calls, device_kind="NVIDIA H100 80GB HBM3"):
+    """The backends the first attention rule of kind `calls` ("all" or "forward_only") that fires
+    for this call puts first (ops/rules/attention.json), or ()."""
+    op = interface.OPS["attention"]
+    args = tuple(args) + (None,) * (8 - len(args))
+    fired = op.selection.fired(platform, device_kind, lambda: op.features(args, {"spec": spec}))
+    return fired[calls].prefer if calls in fired else ()
+
+
 def test_training_order_rule():
-    """Which calls _training_order sends to pallas_gpu first (the GPU test above runs them)."""
+    """Which calls the "all" rules send to pallas_gpu first (the GPU test above runs them)."""
     from forgeax.kernels.common.attention import AttentionSpec
-    from forgeax.ops.attention import _training_order
 
     def order(H, platform="gpu", T=256, B=1, N=4, K=4, **spec):
         q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
-        return _training_order(platform, (q, kv, kv), {"spec": AttentionSpec(**spec)})
+        return _rule_prefer(platform, (q, kv, kv), AttentionSpec(**spec), "all")
 
     assert order(64, causal=True) == ("pallas_gpu",)
     assert order(192, causal=True) == order(96, causal=True) == ("pallas_gpu",)
@@ -898,35 +906,29 @@ def test_training_order_rule():
     assert order(64, causal=True, window_left=100, window_right=0) == ()
 
 
-def test_pallas_gpu_head_dims_match():
-    """ops/attention.py's copy of pallas_gpu's kernel head dims (the selection rules read it) is
-    the kernels' own."""
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-    from forgeax.ops.attention import _PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS, _PALLAS_GPU_HEAD_DIMS
-
-    assert _PALLAS_GPU_HEAD_DIMS == pallas_gpu_attention._HEAD_DIMS
-    assert _PALLAS_GPU_FLAT_FORWARD_HEAD_DIMS == pallas_gpu_attention._FLAT_FORWARD_HEAD_DIMS
-
-
 @pytest.mark.parametrize("B,T,S,N", [(1, 8192, 8192, 32), (2, 8192, 8192, 32), (4, 4096, 4096, 32),
                                      (4, 4000, 4096, 32), (4, 4097, 4096, 32), (1, 16384, 16384, 32),
                                      (4, 5632, 5632, 32), (4, 5760, 5760, 32), (8, 4096, 8192, 32),
                                      (3, 8192, 4096, 32), (1, 11264, 11264, 32), (1, 11600, 11600, 32)])
 def test_pallas_gpu_gqa_first_only_where_its_dz_tiles_fit(B, T, S, N):
-    """The training order tries pallas_gpu first for causal GQA at head_dim 128 only on calls whose
+    """The rules try pallas_gpu first for causal GQA training at head_dim 128 only on calls whose
     backward takes the dz^T tiles (`_dz_tiles`), the backward its measurements were of; the
     tiles (packed, `_dz_layout`) also fit some longer calls, which stay on cuDNN."""
     from forgeax.kernels.common.attention import AttentionSpec
-    from forgeax.kernels.pallas.gpu import attention as pallas_gpu_attention
-    from forgeax.ops.attention import _pallas_gpu_gqa_first
+    from forgeax.kernels.pallas.gpu import attention_backward
+    from forgeax.kernels.pallas.gpu.attention import heuristic_config
+    from forgeax.kernels.pallas.gpu.attention_tiles import tails_of
 
     q = jax.ShapeDtypeStruct((B, T, N, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, S, 8, 128), jnp.bfloat16)
     spec = AttentionSpec(causal=True)
-    kernels = pallas_gpu_attention._dz_tiles(spec, pallas_gpu_attention._tails(q, kv, kv), B, N, q.dtype) is not None
-    if _pallas_gpu_gqa_first(q, kv):
+    config = heuristic_config(q, kv, kv, spec=spec)
+    kernels = attention_backward._dz_tiles(spec, tails_of(q, kv, kv), B, N, q.dtype, config) is not None
+    first = _rule_prefer("gpu", (q, kv, kv), spec, "all") == ("pallas_gpu",)
+    if first:
         assert kernels
-    assert _pallas_gpu_gqa_first(q, kv) == (B * N * -(-T // 128) * -(-S // 128) <= 4 * 2**30 // (2 * 128 * 128))
+    aligned = all(n >= 128 and n % 8 == 0 for n in (T, S))
+    assert first == (aligned and B * N * -(-T // 128) * -(-S // 128) <= 4 * 2**30 // (2 * 128 * 128))
 
 
 @pytest.mark.parametrize("T,S,window", [(4096, 4096, None), (4000, 4096, None), (4096, 1000, None),
@@ -1026,16 +1028,15 @@ def test_pallas_gpu_config_is_validated_and_candidates_are_valid():
 
 
 def test_inference_order_rule():
-    """Which forward-only calls _inference_order sends to pallas_gpu first: GQA, a window, or any
-    position mask at the head dim of its flat forward (128, v's too), at lengths pallas_gpu runs
-    in place (`_aligned`); other lengths keep the platform priority."""
+    """Which forward-only calls the "forward_only" rules send to pallas_gpu first: GQA, a window,
+    or any position mask at the head dim of its flat forward (128, v's too), at lengths pallas_gpu
+    runs in place (`aligned`); other lengths keep the platform priority."""
     from forgeax.kernels.common.attention import AttentionSpec
-    from forgeax.ops.attention import _inference_order
 
     def order(H, N=4, K=4, T=256, platform="gpu", Hv=None, **spec):
         q, kv = jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16), jax.ShapeDtypeStruct((1, T, K, H), jnp.bfloat16)
         v = jax.ShapeDtypeStruct((1, T, K, Hv or H), jnp.bfloat16)
-        return _inference_order(platform, (q, kv, v), {"spec": AttentionSpec(**spec)})
+        return _rule_prefer(platform, (q, kv, v), AttentionSpec(**spec), "forward_only")
 
     assert order(128, N=8, K=2, causal=True) == ("pallas_gpu",)
     assert order(128, causal=True, window_left=100, window_right=0) == ("pallas_gpu",)
@@ -1048,7 +1049,7 @@ def test_inference_order_rule():
     assert order(128, N=8, K=2, platform="tpu", causal=True) == ()
     for T, want in ((1000, ("pallas_gpu",)), (1001, ()), (120, ())):  # in place / copied padded
         assert order(128, T=T, causal=True, window_left=100, window_right=0) == want
-    # Head dims pallas_gpu pads (`_pallas_gpu_pads_head_dims`): cuDNN, then Triton, for any mask.
+    # Head dims pallas_gpu pads (feature `pallas_gpu_pads_head_dim`): cuDNN, then Triton, for any mask.
     for H, Hv in ((80, None), (80, 128), (160, None), (32, None)):
         assert order(H, Hv=Hv, causal=True) == ("cudnn", "triton")
         assert order(H, Hv=Hv, N=8, K=2, causal=True, window_left=100, window_right=0) == ("cudnn", "triton")
@@ -1094,7 +1095,7 @@ def test_selection_on_this_platform():
 
 
 def test_deterministic_default_follows_xla_flag(monkeypatch):
-    from forgeax.ops.interface import xla_gpu_deterministic_ops
+    from forgeax.core import xla_gpu_deterministic_ops
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     assert not xla_gpu_deterministic_ops()
