@@ -17,7 +17,7 @@ import pytest
 import conformance
 from forgeax import ops
 from forgeax.kernels.xla import norms as reference
-from forgeax.ops import interface
+from forgeax import core as interface
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 # Awkward shapes: a single short row, D not a power of two, many rows of a
