@@ -508,3 +508,45 @@ def _ragged_dot_spec() -> Spec:
 
 
 SPECS["ragged_dot"] = _ragged_dot_spec()
+
+
+def _newton_schulz_spec() -> Spec:
+    # dims: (M, N) of one matrix (Muon's update of a weight); 5 steps, Muon's coefficients.
+    shapes = (
+        Shape("muon 4096x4096", (4096, 4096), "bfloat16"),
+        Shape("muon 4096x14336 (llama3-8b mlp)", (4096, 14336), "bfloat16"),
+        Shape("small f32", (256, 512), "float32", small=True),
+    )
+    steps = 5
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        return (jax.random.normal(key, shape.dims, jnp.float32).astype(shape.dtype), None)
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        if mode != "fwd":
+            raise UnsupportedError("Muon never differentiates newton_schulz: forward only")
+        # Extra settings ('triton:triton_update=True:gram_block=256') are fields of the backend's config.
+        fields = dict(options)
+        if not fields:
+            return jax.jit(lambda g, ct: ops.newton_schulz(g, steps=steps, backend=backend))
+        impl = ops.OPS["newton_schulz"].implementation(backend)
+
+        def run(g, ct):
+            from forgeax.kernels.common.newton_schulz import NewtonSchulzSpec  # noqa: PLC0415
+
+            config = impl.heuristic_config(g, spec=NewtonSchulzSpec(steps=steps)).replace(**fields)
+            return ops.newton_schulz(g, steps=steps, backend=backend, config=config)
+
+        return jax.jit(run)
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        m, n = sorted(shape.dims[-2:])
+        # Per step, with the symmetry of the two Gram products (the minimum work): X X^T M^2 N,
+        # A A^T M^3, B X 2 M^2 N (without symmetry: 2 M^2 N + 2 M^3 + 2 M^2 N). Bytes: g in, X out.
+        flops = steps * (m * m * n + m**3 + 2.0 * m * m * n)
+        return 2 * m * n * jnp.dtype(shape.dtype).itemsize, flops
+
+    return Spec("newton_schulz", shapes, make_inputs, build, floor, precheck=False)
+
+
+SPECS["newton_schulz"] = _newton_schulz_spec()
