@@ -15,11 +15,13 @@ _BACKENDS = {
     "xla": "forgeax.kernels.xla.ragged_dot:RAGGED_DOT",
     "xla_ragged": "forgeax.kernels.xla.ragged_dot:XLA_RAGGED",
     "triton": "forgeax.kernels.triton.ragged_dot:RAGGED_DOT",
+    "pallas_tpu": "forgeax.kernels.pallas.tpu.ragged_dot:RAGGED_DOT",
 }
 _TRANSPOSED_BACKENDS = {
     "xla": "forgeax.kernels.xla.ragged_dot:RAGGED_DOT_TRANSPOSED",
     "xla_ragged": "forgeax.kernels.xla.ragged_dot:XLA_RAGGED_TRANSPOSED",
     "triton": "forgeax.kernels.triton.ragged_dot:RAGGED_DOT_TRANSPOSED",
+    "pallas_tpu": "forgeax.kernels.pallas.tpu.ragged_dot:RAGGED_DOT_TRANSPOSED",
 }
 
 

@@ -1,4 +1,4 @@
-"""Cross-lowering of the ragged_dot Triton kernels for sm_90 on CPU (no GPU needed).
+"""Cross-lowering of the ragged_dot kernels on CPU: Triton for sm_90, Mosaic TPU (no accelerator needed).
 
 `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` compiles each Triton kernel to PTX
 (a `triton_kernel_call` custom call): a kernel that does not compile fails here; numerics are
@@ -20,8 +20,8 @@ import pytest
 import conformance
 from forgeax.kernels.common.ragged_dot import RaggedDotSpec
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on"),
-                                reason="cross-lowering needs compiled Triton kernels: unset TRITON_INTERPRET")
+_needs_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on"),
+                                   reason="cross-lowering needs compiled Triton kernels: unset TRITON_INTERPRET")
 
 # (M, K, N, G, dtype): the benchmark shapes (G8 balanced, DeepSeek-V3-like routed experts), then
 # M, K, N off every tile in f32 and f16.
@@ -38,6 +38,7 @@ def _args(m, k, n, g, dtype):
             jax.ShapeDtypeStruct((g,), jnp.int32))
 
 
+@_needs_triton
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_triton_forward_and_backward_lower_for_sm90(case):
     from forgeax.kernels.triton import ragged_dot as triton_ragged_dot
@@ -60,6 +61,7 @@ def test_triton_forward_and_backward_lower_for_sm90(case):
     assert conformance.lowered_text(fwd_bwd, lhs, rhs, sizes, ct, platform="cuda").count("triton_kernel_call") == 3
 
 
+@_needs_triton
 def test_triton_candidate_configs_lower():
     from forgeax.kernels.triton import ragged_dot as triton_ragged_dot
 
@@ -70,3 +72,28 @@ def test_triton_candidate_configs_lower():
         text = conformance.lowered_text(lambda *a, config=config: impl.fn(*a, spec=spec, config=config), lhs, rhs, sizes,
                                         platform="cuda")
         assert text.count("triton_kernel_call") == 1, config
+
+
+# The Mosaic TPU kernel: bf16 / f32 with K and N multiples of its 512 blocks, and whole-dimension blocks.
+TPU_CASES = [(16384, 4096, 4096, 8, jnp.bfloat16), (300, 256, 384, 5, jnp.float32), (77, 40, 24, 3, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("case", TPU_CASES, ids=str)
+def test_pallas_tpu_forward_and_backward_lower_for_tpu(case):
+    from forgeax.kernels.pallas.tpu import ragged_dot as tpu_ragged_dot
+
+    impl = tpu_ragged_dot.RAGGED_DOT
+    spec = RaggedDotSpec(out_dtype=jnp.dtype(case[4]).name)
+    lhs, rhs, sizes = _args(*case)
+    config = tpu_ragged_dot.RaggedDotTpuConfig()
+
+    def forward(lhs, rhs, sizes):
+        return impl.fn(lhs, rhs, sizes, spec=spec, config=config)
+
+    def fwd_bwd(lhs, rhs, sizes, ct):
+        out, pullback = jax.vjp(lambda a, b: forward(a, b, sizes), lhs, rhs)
+        return out, pullback(ct)
+
+    assert conformance.lowered_text(forward, lhs, rhs, sizes, platform="tpu").count("tpu_custom_call") == 1
+    ct = jax.ShapeDtypeStruct((case[0], case[2]), case[4])
+    assert conformance.lowered_text(fwd_bwd, lhs, rhs, sizes, ct, platform="tpu").count("tpu_custom_call") == 3
