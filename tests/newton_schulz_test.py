@@ -42,7 +42,7 @@ def _small_tile_configs() -> dict:
         from forgeax.kernels.triton.newton_schulz import NewtonSchulzTritonConfig  # noqa: PLC0415
 
         configs["triton"] = [NewtonSchulzTritonConfig(gram_block=16, block_k=32, update_block_m=16, update_block_n=32,
-                                                      triton_update=True)]
+                                                      num_warps=4, num_stages=2, triton_update=True)]
     if "pallas_tpu" in BACKENDS:
         from forgeax.kernels.pallas.tpu.newton_schulz import NewtonSchulzTpuConfig  # noqa: PLC0415
 
@@ -102,13 +102,19 @@ def test_singular_values_lie_in_the_quintic_band(backend):
     assert BAND[0] <= s.min() and s.max() <= BAND[1], f"{backend}: singular values in [{s.min():.4f}, {s.max():.4f}], not in {BAND}"
 
 
+# The same products on the same values: equal on CPU; on a GPU, XLA may pick another matmul
+# algorithm for another batch or layout (bf16 roundings then differ; a transposition bug does not
+# stay under this).
+_SAME_COMPUTATION = 1e-6 if interface.current_platform() == "cpu" else 5e-3
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tall_matrix_is_the_transpose_of_the_wide_one(backend):
     g = conformance.random_array(jax.random.key(5), (3, 24, 56), jnp.bfloat16)
     run = jax.jit(lambda g: ops.newton_schulz(g, backend=backend))
     wide, tall = run(g), run(jnp.swapaxes(g, -1, -2))
     assert tall.shape == (3, 56, 24)
-    np.testing.assert_array_equal(np.asarray(tall), np.asarray(jnp.swapaxes(wide, -1, -2)))
+    assert conformance.relative_error(tall, jnp.swapaxes(wide, -1, -2)) < _SAME_COMPUTATION
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -120,8 +126,8 @@ def test_batch_and_vmap_equal_one_matrix_at_a_time(backend):
     for i in range(2):
         for j in range(3):
             single = np.asarray(run(g[i, j]))
-            assert conformance.relative_error(batched[i, j], single) < 1e-6
-            assert conformance.relative_error(mapped[i, j], single) < 1e-6
+            assert conformance.relative_error(batched[i, j], single) < _SAME_COMPUTATION
+            assert conformance.relative_error(mapped[i, j], single) < _SAME_COMPUTATION
 
 
 def test_bad_inputs_name_the_argument():
@@ -148,6 +154,7 @@ def test_bad_inputs_name_the_argument():
         ops.newton_schulz(g, backend="nope")
 
 
-def test_zero_matrix_gives_zeros_not_nan():
-    out = ops.newton_schulz(jnp.zeros((2, 8, 16), jnp.float32), backend="xla")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_matrix_gives_zeros_not_nan(backend):
+    out = ops.newton_schulz(jnp.zeros((2, 8, 16), jnp.float32), backend=backend)
     assert bool(jnp.all(out == 0))
