@@ -36,7 +36,7 @@ def _features(args, kwargs) -> dict:
 RAGGED_DOT = define_op("ragged_dot", _BACKENDS, selection=Selection.load("forgeax.ops", "rules/ragged_dot.json"),
                        features=_features)
 RAGGED_DOT_TRANSPOSED = define_op("ragged_dot_transposed", _TRANSPOSED_BACKENDS,
-                                  priority={"gpu": ["triton"], "tpu": ["xla_ragged"], "cpu": []})
+                                  priority={"gpu": ["triton"], "tpu": ["xla_ragged", "pallas_tpu"], "cpu": ["xla_ragged"]})
 
 
 def _check_group_sizes(group_sizes: Any, g: int | None) -> int:
