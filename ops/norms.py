@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxtyping import Array, Float
 
-from forgeax.core import Selection, define_op
+from forgeax.core import KernelConfig, Selection, define_op
 from forgeax.ops import checks
 
 _BACKENDS = "forgeax.kernels.{}.norms:{}"
@@ -45,6 +45,7 @@ def rms_norm(
     *,
     eps: float = 1e-6,
     backend: str | None = None,
+    config: KernelConfig | None = None,
 ) -> Float[Array, "*B D"]:
     """Root-mean-square normalisation over the last axis.
 
@@ -56,13 +57,15 @@ def rms_norm(
       eps: added to the mean square before the square root; > 0.
       backend: None (best for this device), "xla", "triton", "pallas",
         "pallas_gpu", "pallas_tpu", or a user-registered name.
+      config: the chosen kernel's config (e.g. `forgeax.kernels.triton.norms.TritonNormConfig`);
+        with backend=None only backends taking that config type are considered.
 
     Returns:
       `[..., D]` in x's dtype. Statistics are computed in f32. Differentiable
       with respect to x and scale.
     """
     _check(x, {"scale": scale}, eps)
-    return RMS_NORM(x, scale, eps=float(eps), backend=backend)
+    return RMS_NORM(x, scale, eps=float(eps), backend=backend, config=config)
 
 
 def layer_norm(
@@ -72,6 +75,7 @@ def layer_norm(
     *,
     eps: float = 1e-6,
     backend: str | None = None,
+    config: KernelConfig | None = None,
 ) -> Float[Array, "*B D"]:
     """Layer normalisation over the last axis.
 
@@ -83,12 +87,12 @@ def layer_norm(
     Args:
       x: `[..., D]`, f32/bf16/f16.
       scale: `[D]` gain. offset: `[D]` bias, or None for no bias.
-      eps: > 0. backend: as for `rms_norm`.
+      eps: > 0. backend, config: as for `rms_norm`.
 
     Returns:
       `[..., D]` in x's dtype; statistics in f32. Differentiable with respect
       to x, scale and offset.
     """
     _check(x, {"scale": scale, "offset": offset}, eps)
-    return LAYER_NORM(x, scale, offset, eps=float(eps), backend=backend)
+    return LAYER_NORM(x, scale, offset, eps=float(eps), backend=backend, config=config)
 

@@ -4,10 +4,14 @@ On CPU this runs under FORGEAX_INTERPRET=1 (the Pallas TPU interpreter; the Trit
 in its own target with TRITON_INTERPRET=1); on a GPU it runs the real kernels:
 `pytest tests/newton_schulz_test.py` against the installed wheel.
 
-Tolerance: the iteration runs in bf16 whatever the input dtype (as Muon's reference does), so
-backends that sum in another order differ from the reference by bf16 roundings; every dtype is
-held to the bf16 tolerance, 1e-2 (a wrong coefficient, a missing mirrored tile or one step too
-few is off by far more). Gradients are the reference's autodiff by design (custom_vjp).
+Tolerance: the iteration runs in bf16 whatever the input dtype (as Muon's reference does), and
+the quintic's slope at 0 (3.4445) amplifies a rounding in the directions of small singular
+values by up to 3.4445^5 ~ 480 over five steps. So equally valid roundings disagree by percents:
+on (17, 33), (64, 200) and (40, 24) inputs the same iteration in f32 differs from the reference
+by 1.3-1.7%, a bf16 iteration that rounds at other points by 5.0-5.8%, and the Triton kernels on
+an H100 by 2-3%; one step too few is off by 35%, a missing mirrored tile by more. Every dtype is
+held to 8e-2, with the singular-value band checked separately. Gradients are the reference's
+autodiff by design (custom_vjp).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from forgeax import ops
 from forgeax.kernels.common.newton_schulz import NewtonSchulzSpec
 from forgeax.kernels.xla import newton_schulz as xla_ns
 
-TOLERANCE = 1e-2
+TOLERANCE = 8e-2
 BACKENDS = conformance.runnable_backends("newton_schulz")
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 # Odd sizes, a batch, tall matrices (transposed inside), one wider than a 128 tile.

@@ -101,7 +101,7 @@ def make_optimizer(args):
         except ImportError as e:
             raise SystemExit(f"--optimizer muon needs forgeax.optim.muon, which this forgeax does not have ({e}); "
                              "use --optimizer adamw") from None
-        return optax.chain(optax.clip_by_global_norm(1.0), muon(learning_rate=sched, weight_decay=args.weight_decay))
+        return optax.chain(optax.clip_by_global_norm(1.0), muon(learning_rate=sched, weight_decay=args.weight_decay, scale="adamw_rms"))
     decay = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731 - no decay on norm gains
     return optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay))
