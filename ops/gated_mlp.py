@@ -10,6 +10,7 @@ from forgeax.ops import checks
 
 _BACKENDS = {
     "xla": "forgeax.kernels.xla.gated_mlp:GATED_MLP",
+    "xla_dot": "forgeax.kernels.xla.gated_mlp:GATED_MLP_DOT",
     "triton": "forgeax.kernels.triton.gated_mlp:GATED_MLP",
     "pallas_gpu": "forgeax.kernels.pallas.gpu.gated_mlp:GATED_MLP",
     "pallas_tpu": "forgeax.kernels.pallas.tpu.gated_mlp:GATED_MLP",
@@ -82,7 +83,8 @@ def gated_mlp(
       w_up: `[K, N]` up projection, or None with a fused w_gate.
       w_down: `[N, K_out]` down projection, or None to return h.
       activation: "silu" (SwiGLU), "gelu" (exact, erf), "gelu_tanh" (tanh approximation) or "relu".
-      backend: None (best for this device), "xla", "triton", "pallas", "pallas_gpu" (Hopper;
+      backend: None (best for this device), "xla" (the f32 reference), "xla_dot" (XLA's own
+        16-bit dots, as plain JAX writes it), "triton", "pallas", "pallas_gpu" (Hopper;
         bf16/f16 with K and N multiples of 64), "pallas_tpu", or a user-registered name.
       config: a kernel config of the chosen backend (its `config_type`), or None.
 

@@ -69,7 +69,14 @@ def test_matrices_get_muon_and_vectors_get_adamw():
     direction = (1 - beta) * g + beta * m
     fan_in, fan_out = g.shape
     expected_w = -lr * (ops.newton_schulz(direction, backend="xla") * max(1.0, fan_out / fan_in) ** 0.5 + wd * params["w"])
-    np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(expected_w), rtol=1e-5, atol=1e-7)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(expected_w), rtol=1e-5, atol=1e-7)
+    else:
+        # On a GPU the jitted update and the eager reference round the bf16 iteration at other
+        # points, which the quintic amplifies (see newton_schulz_test's tolerance): 2.7% per element
+        # was seen on an H100.
+        error = np.linalg.norm(np.asarray(updates["w"]) - np.asarray(expected_w)) / np.linalg.norm(np.asarray(expected_w))
+        assert error < 8e-2
 
     # AdamW (optax's own) for the 1-D bias.
     adam = optax.adamw(0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0)
