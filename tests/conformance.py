@@ -192,3 +192,15 @@ def lowered_text(fn: Callable[..., Any], *args: Any, platform: str) -> str:
     """
     with interface.interpret_mode(False):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+# The loss options every loss suite (cross_entropy, linear_cross_entropy) runs each backend with.
+LOSS_OPTIONS = {
+    "label_smoothing": dict(label_smoothing=0.1),
+    "z_loss": dict(z_loss=1e-2),
+    "soft_cap": dict(logit_soft_cap=5.0),
+    "ignore_index": dict(ignore_index=3),
+    "all_mean": dict(label_smoothing=0.2, z_loss=1e-3, logit_soft_cap=4.0, ignore_index=7, reduction="mean"),
+    "all_sum": dict(label_smoothing=1.0, z_loss=1e-4, logit_soft_cap=30.0, reduction="sum"),
+    "ls_zloss_none": dict(label_smoothing=0.05, z_loss=1e-4, reduction="none"),
+}

@@ -81,15 +81,7 @@ def test_matches_reference(backend, tokens, vocab, dtype):
     _assert_conforms(backend, logits, targets, reduction="none")
 
 
-OPTIONS = {
-    "label_smoothing": dict(label_smoothing=0.1),
-    "z_loss": dict(z_loss=1e-2),
-    "soft_cap": dict(logit_soft_cap=5.0),
-    "ignore_index": dict(ignore_index=3),
-    "all_mean": dict(label_smoothing=0.2, z_loss=1e-3, logit_soft_cap=4.0, ignore_index=7, reduction="mean"),
-    "all_sum": dict(label_smoothing=1.0, z_loss=1e-4, logit_soft_cap=30.0, reduction="sum"),
-    "ls_zloss_none": dict(label_smoothing=0.05, z_loss=1e-4, reduction="none"),
-}
+OPTIONS = conformance.LOSS_OPTIONS
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

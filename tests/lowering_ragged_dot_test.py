@@ -38,6 +38,19 @@ def _args(m, k, n, g, dtype):
             jax.ShapeDtypeStruct((g,), jnp.int32))
 
 
+
+def _forward_and_fwd_bwd(impl, spec, config):
+    """The kernel's forward, and its forward with the vjp of (lhs, rhs) pulled back from `ct`."""
+
+    def forward(lhs, rhs, sizes):
+        return impl.fn(lhs, rhs, sizes, spec=spec, config=config)
+
+    def fwd_bwd(lhs, rhs, sizes, ct):
+        out, pullback = jax.vjp(lambda a, b: forward(a, b, sizes), lhs, rhs)
+        return out, pullback(ct)
+
+    return forward, fwd_bwd
+
 @_needs_triton
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_triton_forward_and_backward_lower_for_sm90(case):
@@ -48,12 +61,7 @@ def test_triton_forward_and_backward_lower_for_sm90(case):
     lhs, rhs, sizes = _args(*case)
     config = impl.heuristic_config(lhs, rhs, sizes, spec=spec)
 
-    def forward(lhs, rhs, sizes):
-        return impl.fn(lhs, rhs, sizes, spec=spec, config=config)
-
-    def fwd_bwd(lhs, rhs, sizes, ct):
-        out, pullback = jax.vjp(lambda a, b: forward(a, b, sizes), lhs, rhs)
-        return out, pullback(ct)
+    forward, fwd_bwd = _forward_and_fwd_bwd(impl, spec, config)
 
     assert conformance.lowered_text(forward, lhs, rhs, sizes, platform="cuda").count("triton_kernel_call") == 1
     ct = jax.ShapeDtypeStruct((case[0], case[2]), case[4])
@@ -87,12 +95,7 @@ def test_pallas_tpu_forward_and_backward_lower_for_tpu(case):
     lhs, rhs, sizes = _args(*case)
     config = tpu_ragged_dot.RaggedDotTpuConfig()
 
-    def forward(lhs, rhs, sizes):
-        return impl.fn(lhs, rhs, sizes, spec=spec, config=config)
-
-    def fwd_bwd(lhs, rhs, sizes, ct):
-        out, pullback = jax.vjp(lambda a, b: forward(a, b, sizes), lhs, rhs)
-        return out, pullback(ct)
+    forward, fwd_bwd = _forward_and_fwd_bwd(impl, spec, config)
 
     assert conformance.lowered_text(forward, lhs, rhs, sizes, platform="tpu").count("tpu_custom_call") == 1
     ct = jax.ShapeDtypeStruct((case[0], case[2]), case[4])
