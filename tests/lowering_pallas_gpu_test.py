@@ -6,8 +6,8 @@ Python side of Pallas Mosaic GPU: kernel tracing, the Mosaic GPU dialect, the
 Lane-semantics register layouts (row reductions, broadcasts, GMEM loads and
 stores in the explicit layouts) and the lowering to LLVM, serialised into a
 `mosaic_gpu_v2` custom call. It does not run ptxas and proves nothing about
-numerics (interpret mode and the GPU conformance run do that; notes/MOSAIC_GPU.md
-§3.4, §10).
+numerics (interpret mode and the GPU conformance run do that: a kernel has passed both
+interpret mode and lowering and still given wrong numbers on a GPU).
 
 Run: JAX_PLATFORMS=cpu pytest tests/lowering_pallas_gpu_test.py
 """

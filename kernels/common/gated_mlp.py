@@ -178,3 +178,16 @@ def differentiable_gated_mlp(forward: Forward, backward: Backward,
 
     run.defvjp(fwd, bwd)
     return run
+
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def supports_float_rows(x, w_gate, w_up, w_down=None, *, spec) -> str | None:
+    """The Triton and Mosaic TPU kernels' `supports`: f32/bf16/f16 and at least one row."""
+    del w_gate, w_up, w_down, spec
+    if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
+        return f"x dtype {jnp.dtype(x.dtype).name} is not one of float32/bfloat16/float16"
+    if math.prod(x.shape[:-1]) == 0:
+        return "no rows (x has an empty leading axis)"
+    return None

@@ -35,9 +35,9 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
-from forgeax.kernels.common.gated_mlp import ACTIVATIONS, differentiable_gated_mlp, hidden_size
+from forgeax.kernels.common.gated_mlp import ACTIVATIONS, differentiable_gated_mlp, hidden_size, supports_float_rows
 from forgeax.kernels.triton.elementwise import tanh
-from forgeax.kernels.triton.launch import triton_call
+from forgeax.kernels.triton.launch import check_matmul_tiles, fit_matmul_tiles, triton_call
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -192,23 +192,7 @@ class GatedMLPConfig(KernelConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"GatedMLPConfig.{name}: expected a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"GatedMLPConfig.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _fit(config: GatedMLPConfig, m: int, n: int, k: int) -> GatedMLPConfig:
-    """Blocks no larger than the (power-of-two-rounded) problem, at least 16."""
-    return config.replace(block_m=max(16, min(config.block_m, _pow2_at_least(m))),
-                          block_n=max(16, min(config.block_n, _pow2_at_least(n))),
-                          block_k=max(16, min(config.block_k, _pow2_at_least(k))))
+        check_matmul_tiles(self)
 
 
 def _dims(x, w_gate, w_up):
@@ -224,10 +208,10 @@ def heuristic_config(x, w_gate, w_up, w_down=None, *, spec) -> GatedMLPConfig:
     del w_down, spec
     m, n, k = _dims(x, w_gate, w_up)
     if interpret_enabled():
-        return _fit(GatedMLPConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1), m, n, k)
+        return fit_matmul_tiles(GatedMLPConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1), m, n, k)
     if jnp.dtype(x.dtype) == jnp.float32:  # f32 tiles are twice the bytes
-        return _fit(GatedMLPConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3), m, n, k)
-    return _fit(GatedMLPConfig(), m, n, k)
+        return fit_matmul_tiles(GatedMLPConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3), m, n, k)
+    return fit_matmul_tiles(GatedMLPConfig(), m, n, k)
 
 
 def candidate_configs(x, w_gate, w_up, w_down=None, *, spec) -> list[GatedMLPConfig]:
@@ -238,7 +222,7 @@ def candidate_configs(x, w_gate, w_up, w_down=None, *, spec) -> list[GatedMLPCon
     for bm, bn, bk, warps, stages in ((128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (64, 128, 64, 4, 4), (128, 128, 32, 8, 4),
                                       (128, 128, 64, 8, 4), (256, 64, 64, 8, 3), (128, 256, 32, 8, 3), (64, 64, 64, 4, 5)):
         for group in (8, 16):
-            cfg = _fit(GatedMLPConfig(block_m=bm, block_n=bn, block_k=bk, group_m=group, num_warps=warps, num_stages=stages), m, n, k)
+            cfg = fit_matmul_tiles(GatedMLPConfig(block_m=bm, block_n=bn, block_k=bk, group_m=group, num_warps=warps, num_stages=stages), m, n, k)
             if cfg not in out:
                 out.append(cfg)
     return out
@@ -257,7 +241,7 @@ def _weight_args(w_gate, w_up, n):
 def _common(x, w_gate, w_up, activation, config):
     m, k = x.shape
     n = hidden_size(w_gate, w_up)
-    cfg = _fit(config, m, n, k)
+    cfg = fit_matmul_tiles(config, m, n, k)
     wg, wu, stride, offset = _weight_args(w_gate, w_up, n)
     interpret = interpret_enabled()
     dot = 2 if interpret else (1 if jnp.dtype(x.dtype) == jnp.float32 else 0)
@@ -302,20 +286,11 @@ def gated_mlp(x, w_gate, w_up, w_down=None, *, spec, config: GatedMLPConfig):
     return _DIFFERENTIABLE(x, w_gate, w_up, w_down, spec, config)
 
 
-def supports(x, w_gate, w_up, w_down=None, *, spec) -> str | None:
-    del w_gate, w_up, w_down, spec
-    if jnp.dtype(x.dtype) not in _DTYPES:
-        return f"x dtype {jnp.dtype(x.dtype).name} is not one of float32/bfloat16/float16"
-    if math.prod(x.shape[:-1]) == 0:
-        return "no rows (x has an empty leading axis)"
-    return None
-
-
 GATED_MLP = Implementation(
     fn=gated_mlp,
     platforms={"gpu"},
     interpretable=True,
-    supports=supports,
+    supports=supports_float_rows,
     config_type=GatedMLPConfig,
     heuristic_config=heuristic_config,
     candidate_configs=candidate_configs,

@@ -15,7 +15,7 @@ metaparams.
     forgets to write shows up in the result. The interpreter needs
     TRITON_INTERPRET=1 in the environment before `import triton`.
 
-Pitfalls the kernels must respect (see notes/TRITON_JAX.md): a Python float
+Pitfalls the kernels must respect (jax-triton 0.3.1's calling convention): a Python float
 positional scalar becomes fp64 (pass np.float32 or a constexpr); int scalars
 carry no divisibility hint (pass sizes/strides as constexprs); in the
 interpreter a loop bound must be a constexpr.
@@ -175,3 +175,25 @@ def _interpret_call(*args: Any, kernel: Any, out_shape: Any, grid: Any, **metapa
     result_shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_leaves]
     outs = jax.pure_callback(host, result_shapes, *[a for a, flag in zip(args, is_array) if flag])
     return jax.tree.unflatten(out_tree, outs)
+
+
+def check_matmul_tiles(config: Any) -> None:
+    """A matmul kernel config's tiles (block_m/n/k powers of two >= 16; num_warps 1..16): the
+    ValueError names the config class and field."""
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{type(config).__name__}.{name}: expected a power of two >= 16, got {value}")
+    if config.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{type(config).__name__}.num_warps: expected 1, 2, 4, 8 or 16, got {config.num_warps}")
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def fit_matmul_tiles(config: Any, m: int, n: int, k: int) -> Any:
+    """`config` with blocks no larger than the (power-of-two-rounded) problem, and at least 16."""
+    return config.replace(block_m=max(16, min(config.block_m, _pow2_at_least(m))),
+                          block_n=max(16, min(config.block_n, _pow2_at_least(n))),
+                          block_k=max(16, min(config.block_k, _pow2_at_least(k))))

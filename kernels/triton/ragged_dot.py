@@ -30,7 +30,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 from forgeax.kernels.common.ragged_dot import RaggedDotSpec, differentiable_ragged_dot, group_bounds, max_row_tiles, row_tiles
-from forgeax.kernels.triton.launch import triton_call
+from forgeax.kernels.triton.launch import check_matmul_tiles, fit_matmul_tiles, triton_call
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -141,22 +141,7 @@ class RaggedDotConfig(KernelConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"RaggedDotConfig.{name}: expected a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"RaggedDotConfig.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _fit(config: RaggedDotConfig, m: int, k: int, n: int) -> RaggedDotConfig:
-    return config.replace(block_m=max(16, min(config.block_m, _pow2_at_least(m))),
-                          block_n=max(16, min(config.block_n, _pow2_at_least(n))),
-                          block_k=max(16, min(config.block_k, _pow2_at_least(k))))
+        check_matmul_tiles(self)
 
 
 def heuristic_config(lhs, rhs, group_sizes, *, spec) -> RaggedDotConfig:
@@ -168,8 +153,8 @@ def heuristic_config(lhs, rhs, group_sizes, *, spec) -> RaggedDotConfig:
     if interpret_enabled():
         return RaggedDotConfig(block_m=16, block_n=32, block_k=16, group_m=2, programs_per_sm=1, num_warps=4, num_stages=1)
     if jnp.dtype(lhs.dtype) == jnp.float32:
-        return _fit(RaggedDotConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3), m, k, n)
-    return _fit(RaggedDotConfig(), m, k, n)
+        return fit_matmul_tiles(RaggedDotConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3), m, n, k)
+    return fit_matmul_tiles(RaggedDotConfig(), m, n, k)
 
 
 def candidate_configs(lhs, rhs, group_sizes, *, spec) -> list[RaggedDotConfig]:
@@ -179,8 +164,8 @@ def candidate_configs(lhs, rhs, group_sizes, *, spec) -> list[RaggedDotConfig]:
     for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
                                       (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (64, 256, 64, 8, 3)):
         for group, per_sm in ((8, 1), (8, 2), (16, 1)):
-            cfg = _fit(RaggedDotConfig(block_m=bm, block_n=bn, block_k=bk, group_m=group, programs_per_sm=per_sm,
-                                       num_warps=warps, num_stages=stages), m, k, n)
+            cfg = fit_matmul_tiles(RaggedDotConfig(block_m=bm, block_n=bn, block_k=bk, group_m=group, programs_per_sm=per_sm,
+                                                   num_warps=warps, num_stages=stages), m, n, k)
             if cfg not in out:
                 out.append(cfg)
     return out
@@ -195,7 +180,7 @@ def forward(lhs, rhs, group_sizes, *, out_dtype, config: RaggedDotConfig, transp
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    cfg = _fit(config, m, k, n) if not interpret_enabled() else config
+    cfg = fit_matmul_tiles(config, m, n, k) if not interpret_enabled() else config
     tiles = row_tiles(group_sizes, m, cfg.block_m)
     total = max_row_tiles(m, g, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = max(1, min(total, gpu_sm_count() * cfg.programs_per_sm))
@@ -214,7 +199,7 @@ def transposed(lhs, dout, group_sizes, *, out_dtype, config: RaggedDotConfig):
     m, k = lhs.shape
     n = dout.shape[1]
     g = group_sizes.shape[0]
-    cfg = _fit(config, k, m, n) if not interpret_enabled() else config
+    cfg = fit_matmul_tiles(config, k, n, m) if not interpret_enabled() else config
     starts, ends = group_bounds(group_sizes, m)
     grid = (g * triton.cdiv(k, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     return triton_call(lhs, dout.astype(lhs.dtype), starts, ends, kernel=_transposed_kernel,

@@ -248,7 +248,8 @@ def _cudnn_supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_
     if spec.deterministic and not xla_gpu_deterministic_ops():
         return "deterministic: cuDNN's backward adds dq with atomics unless XLA_FLAGS has --xla_gpu_deterministic_ops"
     if not spec.causal and (spec.window_left is not None or spec.window_right is not None):
-        # jax.nn's cuDNN path ignores a left window without causal (notes/PLATFORM.md, known traps).
+        # jax.nn's cuDNN path ignores a left window without causal: it attends to every later key
+        # where XLA's reference gives the banded result (docs/backends.md).
         return "window without causal: cuDNN's sliding window is causal-only"
     if spec.has_position_mask and T != S:
         return f"causal/window with T={T} != S={S}: cuDNN aligns the first query with the first key"

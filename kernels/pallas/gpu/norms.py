@@ -11,7 +11,7 @@ Backward (xhat = normalised x, g = dy * scale):
     LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dscale = sum_rows(dy * xhat),  doffset = sum_rows(dy)
 
-Design (notes/MOSAIC_GPU.md §3.4 and §6): Lane lowering semantics with explicit
+Design: Mosaic GPU's lane lowering semantics with explicit
 register layouts and no shared memory -- direct GMEM loads/stores. The layout
 `_row_layout(vec)` is a 4 x (32*vec) tile: row i -> warp i, the columns -> 32
 lanes x `vec` contiguous elements, so row reductions stay inside a warp

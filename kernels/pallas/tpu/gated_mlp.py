@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
-from forgeax.kernels.common.gated_mlp import activate_and_derivative, differentiable_gated_mlp, split_weights
+from forgeax.kernels.common.gated_mlp import activate_and_derivative, differentiable_gated_mlp, split_weights, supports_float_rows
 from forgeax.kernels.pallas.interpret import without_effects
 
 _F32 = jnp.float32
@@ -186,20 +186,11 @@ def gated_mlp(x, w_gate, w_up, w_down=None, *, spec, config: GatedMLPTpuConfig):
     return _DIFFERENTIABLE(x, w_gate, w_up, w_down, spec, config)
 
 
-def supports(x, w_gate, w_up, w_down=None, *, spec) -> str | None:
-    del w_gate, w_up, w_down, spec
-    if jnp.dtype(x.dtype) not in _DTYPES:
-        return f"x dtype {jnp.dtype(x.dtype).name} is not one of float32/bfloat16/float16"
-    if math.prod(x.shape[:-1]) == 0:
-        return "no rows (x has an empty leading axis)"
-    return None
-
-
 GATED_MLP = Implementation(
     fn=gated_mlp,
     platforms={"tpu"},
     interpretable=True,
-    supports=supports,
+    supports=supports_float_rows,
     config_type=GatedMLPTpuConfig,
     heuristic_config=heuristic_config,
     candidate_configs=candidate_configs,
