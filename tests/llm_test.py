@@ -53,6 +53,16 @@ def test_xla_and_auto_give_the_same_losses_within_bf16_noise(tmp_path):
     assert all("xla" in v["seconds_fwd_bwd"] for v in cache.values())
 
 
+def test_plain_baseline_computes_the_same_model(tmp_path):
+    # `--ops plain` (plain JAX code, the benchmark's baseline) must train the same model as forgeax's ops,
+    # in f32 to within rounding, or the tokens/s comparison would compare different work.
+    args = SMALL + QUIET + ["--steps", "3"]
+    xla = train.run(args + ["--ops", "xla", "--out", str(tmp_path / "xla")])
+    plain = train.run(args + ["--ops", "plain", "--out", str(tmp_path / "plain")])
+    np.testing.assert_allclose(plain["losses"], xla["losses"], rtol=1e-4)
+    assert set(plain["backends"].values()) == {"plain"}
+
+
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
     args = SMALL + QUIET + ["--steps", "10", "--ops", "xla", "--untied"]
     whole = train.run(args + ["--out", str(tmp_path / "whole")])

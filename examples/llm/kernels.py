@@ -163,6 +163,10 @@ def report(loss_fn, params, batch_arrays, backends: dict[str, str | None], cfg: 
         ran.setdefault(d.op, set()).add(d.backend)
     rows = []
     for name, op_name in OPS.items():
+        if backends[name] == "plain":  # plain JAX code, not a forgeax op: nothing to compare
+            rows.append({"op": name, "forgeax_op": op_name, "backend": "plain", "calls": 0, "seconds": None,
+                         "xla_seconds": None, "speedup": None, "temp_bytes": None, "xla_temp_bytes": None})
+            continue
         make, args = op_case(name, cfg, batch)
         chosen = sorted(ran.get(op_name, {backends[name] or "xla"}))
         c_x, m_x = compile_case(fwd_bwd(make, args, "xla"), args)

@@ -14,7 +14,8 @@ Block (pre-norm, the residual add fused into the next norm by ops.add_rms_norm):
     loss  = linear_cross_entropy(final_norm(h), unembed, targets)   no [tokens, V] logits
 
 `backends` maps each OPS key (config.py) to the `backend=` its op gets (None: forgeax's own
-selection). `param_specs` gives the Megatron-style PartitionSpecs over mesh axes ("data", "model").
+selection; "plain": the op as plain JAX code, plain.py, the baseline without forgeax).
+`param_specs` gives the Megatron-style PartitionSpecs over mesh axes ("data", "model").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from forgeax import ops
 
+from . import plain
 from .config import ModelConfig
 
 Backends = Mapping[str, str | None]
@@ -71,10 +73,14 @@ def param_specs(params: dict) -> dict:
 
 
 def _norm(x, scale, cfg: ModelConfig, backends: Backends):
+    if backends["norm"] == "plain":
+        return plain.rms_norm(x, scale, cfg.norm_eps)
     return ops.rms_norm(x, scale.astype(x.dtype), eps=cfg.norm_eps, backend=backends["norm"])
 
 
 def _add_norm(delta, h, scale, cfg: ModelConfig, backends: Backends):
+    if backends["residual_norm"] == "plain":
+        return plain.add_rms_norm(delta, h, scale, cfg.norm_eps)
     return ops.add_rms_norm(delta, h, scale.astype(h.dtype), eps=cfg.norm_eps, backend=backends["residual_norm"])
 
 
@@ -84,24 +90,37 @@ def _attention(n, layer, positions, cfg: ModelConfig, backends: Backends):
     q = (n @ layer["wq"].astype(dt)).reshape(B, T, cfg.n_heads, cfg.head_dim)
     k = (n @ layer["wk"].astype(dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     v = (n @ layer["wv"].astype(dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    q, k = ops.rope_qk(q, k, positions, theta=cfg.rope_theta, backend=backends["rope"])
-    o = ops.attention(q, k, v, causal=True, backend=backends["attention"])
+    if backends["rope"] == "plain":
+        q, k = plain.rope_qk(q, k, positions, cfg.rope_theta)
+    else:
+        q, k = ops.rope_qk(q, k, positions, theta=cfg.rope_theta, backend=backends["rope"])
+    if backends["attention"] == "plain":
+        o = plain.attention(q, k, v)
+    else:
+        o = ops.attention(q, k, v, causal=True, backend=backends["attention"])
     return o.reshape(B, T, cfg.n_heads * cfg.head_dim) @ layer["wo"].astype(dt)
 
 
 def _mlp(n, layer, backends: Backends):
     dt = n.dtype
     B, T, D = n.shape
-    y = ops.gated_mlp(n.reshape(B * T, D), layer["w_gate"].astype(dt), layer["w_up"].astype(dt),
-                      layer["w_down"].astype(dt), activation="silu", backend=backends["mlp"])
+    weights = (layer["w_gate"].astype(dt), layer["w_up"].astype(dt), layer["w_down"].astype(dt))
+    if backends["mlp"] == "plain":
+        y = plain.gated_mlp(n.reshape(B * T, D), *weights)
+    else:
+        y = ops.gated_mlp(n.reshape(B * T, D), *weights, activation="silu", backend=backends["mlp"])
     return y.reshape(B, T, -1)
 
 
 def hidden(params: dict, tokens: jax.Array, cfg: ModelConfig, backends: Backends) -> jax.Array:
     """The final normed hidden states `[B, T, D]` in the compute dtype."""
     dt = jnp.dtype(cfg.dtype)
-    h = params["embed"].astype(dt)[tokens]
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    return decoder_layers(params["layers"], params["final_norm"], params["embed"].astype(dt)[tokens], cfg, backends)
+
+
+def decoder_layers(layers: list, final_norm: jax.Array, h: jax.Array, cfg: ModelConfig, backends: Backends) -> jax.Array:
+    """The decoder layers and the final norm over embedded inputs `h [B, T, D]` (compute dtype)."""
+    positions = jnp.arange(h.shape[1], dtype=jnp.int32)
 
     def block(layer, h, delta):
         if delta is None:
@@ -113,10 +132,10 @@ def hidden(params: dict, tokens: jax.Array, cfg: ModelConfig, backends: Backends
         return h, _mlp(n, layer, backends)
 
     first, rest = block, jax.checkpoint(block) if cfg.remat else block
-    h, delta = first(params["layers"][0], h, None)
-    for layer in params["layers"][1:]:
+    h, delta = first(layers[0], h, None)
+    for layer in layers[1:]:
         h, delta = rest(layer, h, delta)
-    n, _ = _add_norm(delta, h, params["final_norm"], cfg, backends)
+    n, _ = _add_norm(delta, h, final_norm, cfg, backends)
     return n
 
 
@@ -130,8 +149,10 @@ def loss_fn(params: dict, tokens: jax.Array, targets: jax.Array, cfg: ModelConfi
     """Mean next-token cross-entropy (nats), fused with the output projection."""
     n = hidden(params, tokens, cfg, backends)
     B, T, D = n.shape
-    return ops.linear_cross_entropy(n.reshape(B * T, D), unembedding(params, cfg), targets.reshape(B * T),
-                                    backend=backends["loss"])
+    args = (n.reshape(B * T, D), unembedding(params, cfg), targets.reshape(B * T))
+    if backends["loss"] == "plain":
+        return plain.linear_cross_entropy(*args)
+    return ops.linear_cross_entropy(*args, backend=backends["loss"])
 
 
 def logits_fn(params: dict, tokens: jax.Array, cfg: ModelConfig, backends: Backends) -> jax.Array:

@@ -2,7 +2,7 @@
 
     bazel run //examples/llm:train                      # default corpus, tiny model, CPU or GPU
     python -m examples.llm.train --data notes/ --steps 2000
-    python examples/llm/train.py --ops xla --attention cudnn --preset 1b --benchmark-steps 20 --batch 4
+    python examples/llm/train.py --ops plain --preset 1b --benchmark-steps 20 --batch 4 --remat   # the baseline
 
 Shows a progress bar (loss, tokens/s, step time), evaluates on the held-out split, samples text,
 prints the kernel report (per op: backend, time and temporary memory against the XLA reference),
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ops", default="auto", help="every op's backend: auto (measured, cached), xla, default "
-                   "(forgeax's own selection) or a backend name")
+                   "(forgeax's own selection), plain (plain JAX code, no forgeax: the baseline) or a backend name")
     for name in OPS:
         p.add_argument("--" + name.replace("_", "-"), help=f"backend of {OPS[name]} (overrides --ops)")
     p.add_argument("--mesh", help="DATAxMODEL devices, e.g. 2x4: data and Megatron tensor parallelism")
