@@ -27,8 +27,10 @@ from forgeax.ops.linear_cross_entropy import linear_cross_entropy
 from forgeax.ops.moe import moe_mlp
 from forgeax.ops.newton_schulz import newton_schulz
 from forgeax.ops.norms import layer_norm, rms_norm
+from forgeax.ops.paged_attention import decode_attention, paged_attention
 from forgeax.ops.ragged_dot import ragged_dot, ragged_dot_transposed
 from forgeax.ops.rope import Llama3Scaling, rope, rope_qk
+from forgeax.ops.sparse_attention import sparse_attention
 from forgeax.ops.ring_attention import from_zigzag, pad_to_ring, ring_attention, to_zigzag
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "attention",
     "cross_entropy",
     "current_platform",
+    "decode_attention",
     "define_op",
     "explain",
     "from_zigzag",
@@ -54,6 +57,7 @@ __all__ = [
     "moe_mlp",
     "newton_schulz",
     "pad_to_ring",
+    "paged_attention",
     "ragged_dot",
     "ragged_dot_transposed",
     "register_backend",
@@ -61,5 +65,6 @@ __all__ = [
     "rms_norm",
     "rope",
     "rope_qk",
+    "sparse_attention",
     "to_zigzag",
 ]

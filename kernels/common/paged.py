@@ -37,6 +37,7 @@ class PagedSpec:
     window_right: int | None = None
     logit_soft_cap: float | None = None
     return_lse: bool = False
+    num_splits: int | None = None  # decode_attention's split count (None: the backend's config)
 
 
 def cdiv(a, b):
