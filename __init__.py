@@ -17,6 +17,7 @@ from forgeax.core import (
     interpret_mode,
     register_backend,
 )
+from forgeax.kernels.triton.user import triton_call
 
 __version__ = "0.1.0"
 
@@ -30,4 +31,5 @@ __all__ = [
     "interpret_mode",
     "ops",
     "register_backend",
+    "triton_call",
 ]

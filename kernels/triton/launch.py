@@ -51,6 +51,9 @@ def triton_call(
         return _interpret_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, **metaparams)
     import jax_triton  # lazily: an optional dependency
 
+    from forgeax.kernels.triton import compile_cache  # noqa: PLC0415
+
+    compile_cache.install()  # TTIR -> PTX on disk when a cache directory is configured
     return jax_triton.triton_call(
         *args,
         kernel=kernel,
