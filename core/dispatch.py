@@ -2,14 +2,15 @@
 
 An `Op` is one public function's contract: a name, its backends (`Implementation`s or
 lazily imported "module:ATTR" references), a `Selection` (priority + rules, as data) and a
-`features` function that describes a call to the rules. `backend=None` takes, in this order,
-the backends of the first "all" rule that fires, the platform priority, then `xla`, and runs
-the first whose `supports(...)` accepts the call; a "forward_only" rule that fires picks the
+`features` function that describes a call to the rules. `backend=None` takes the backend of
+a tuning entry for the call (`core/tuning.py`: the active `Tuning`, then shipped ones) when one
+accepts it, else, in this order, the backends of the first "all" rule that fires, the platform
+priority, then `xla`, and runs the first whose `supports(...)` accepts the call; a "forward_only" rule that fires picks the
 forward of a call that is not differentiated (`_split`). `backend="<name>"` runs that backend or
 raises `UnsupportedError`; "pallas" means the Pallas variant of this platform.
 
 The only mutable state is the registry (`OPS`), each op's cache of loaded implementations and
-the recorder `explain` installs for one trace.
+the recorders `explain` and `autotune` install for one trace.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax
 
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation, ImplementationRef, UnsupportedError
-from forgeax.core import runtime
+from forgeax.core import runtime, tuning
 from forgeax.core.runtime import PLATFORMS
 from forgeax.core.selection import Features, Rule, Selection
 
@@ -53,6 +54,7 @@ class Choice:
     gradient_impl: Implementation | None = None
     gradient_config: KernelConfig | None = None
     gradient_rule: Rule | None = None
+    tuning: str | None = None  # the tuning entry that chose `backend`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Decision:
     skipped: tuple[tuple[str, str], ...]
     gradient: str | None = None  # "<backend> (<the rule that chose it>)" when it differs
     gradient_backend: str | None = None
+    alternatives: tuple[tuple[str, str], ...] = ()  # the other backends: whether they could run it
 
     def __str__(self) -> str:
         lines = [f"{self.call} -> {self.backend}"]
@@ -77,10 +80,13 @@ class Decision:
         if self.gradient is not None:
             lines.append(f"    under a gradient: {self.gradient}")
         lines += [f"    skipped {name}: {reason}" for name, reason in self.skipped]
+        lines += [f"    alternative {name}: {text}" for name, text in self.alternatives]
         return "\n".join(lines)
 
 
 _RECORDER: contextvars.ContextVar[list[Decision] | None] = contextvars.ContextVar("forgeax_recorder", default=None)
+# The op calls `autotune` collects while it traces a function.
+_CALLS: contextvars.ContextVar[list[tuning.Call] | None] = contextvars.ContextVar("forgeax_calls", default=None)
 
 
 def _split(inference: Implementation, inference_config, training: Implementation, training_config,
@@ -188,12 +194,55 @@ class Op:
         detail = "; ".join(f"{n}: {r}" for n, r in skipped)
         raise UnsupportedError(f"{self.name}: no backend among {list(seen)} can run this call on {platform}: {detail}")
 
+    def tuned(self, args: Sequence[Any], kwargs: Mapping[str, Any], device_kind: str) -> tuple[tuple[str, tuning.TuningEntry], ...]:
+        """(source, entry) of every tuning entry for this call, in the order they are consulted."""
+        sources = tuning.sources()
+        if not sources:
+            return ()
+        key = tuning.signature(args, kwargs)
+        return tuple((label, e) for label, t in sources for e in t.lookup(device_kind, self.name, key))
+
+    def _tuned_config(self, impl: Implementation, name: str, tuned, args, kwargs, explicit: KernelConfig | None,
+                      device_kind: str) -> tuple[KernelConfig | None, str]:
+        """A call's config: explicit, else the first usable tuning entry for backend `name`, else
+        `impl.resolve_config` (tuned data file, heuristic)."""
+        for label, entry in tuned if explicit is None else ():
+            if entry.backend == name and entry.config is not None and (cfg := _entry_config(impl, entry)) is not None:
+                return cfg, f"{label}: {entry}"
+        return impl.resolve_config(args, kwargs, explicit, device_kind)
+
+    def _choose_tuned(self, tuned, platform: str, args, kwargs, device_kind: str) -> tuple[Choice | None, list[tuple[str, str]]]:
+        """The first tuning entry whose backend accepts the call, or None and why each was refused."""
+        skipped: list[tuple[str, str]] = []
+        for label, entry in tuned:
+            if entry.backend in (n for n, _ in skipped):
+                continue
+            impl = self.implementation(entry.backend) if entry.backend in self._refs else f"{entry.backend} is not registered for {self.name}"
+            reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
+            cfg = _entry_config(impl, entry) if reason is None and entry.config is not None else None
+            if reason is None and (entry.config is None or cfg is not None):
+                cfg, source = (cfg, f"{label}: {entry}") if cfg is not None else impl.resolve_config(args, kwargs, None, device_kind)
+                return Choice(entry.backend, impl, cfg, source, None, tuple(skipped), tuning=f"{label}: {entry}"), skipped
+            skipped.append((entry.backend, f"{reason or 'its config no longer fits'} (refused the {label} entry)"))
+        return None, skipped
+
     def choose(self, args: Sequence[Any], kwargs: Mapping[str, Any], backend: str | None = None,
                config: KernelConfig | None = None) -> Choice:
         """The backend(s) and config(s) this call runs; raises UnsupportedError when an explicit
         backend cannot run it."""
         platform = runtime.current_platform()
         device_kind = runtime.current_device_kind()
+        tuned = self.tuned(args, kwargs, device_kind) if config is None else ()
+        refused: list[tuple[str, str]] = []
+        if backend is None and config is None:
+            if not tuned and tuning.autotune_enabled():
+                from forgeax.core.autotuning import tune_implicitly  # noqa: PLC0415 - it imports this module
+                tune_implicitly(tuning.Call.of(self.name, args, kwargs))
+                tuned = self.tuned(args, kwargs, device_kind)
+            if tuned:
+                choice, refused = self._choose_tuned(tuned, platform, args, kwargs, device_kind)
+                if choice is not None:
+                    return choice
         fired: dict[str, Rule] = {}
         if backend is None:
             fired = self.selection.fired(platform, device_kind, lambda: self.features(args, kwargs))
@@ -203,13 +252,13 @@ class Op:
             training = None
             order = self._explicit(backend, platform)
         name, impl, skipped = self._first_runnable(order, platform, args, kwargs, config)
-        cfg, source = impl.resolve_config(args, kwargs, config, device_kind)
-        choice = Choice(name, impl, cfg, source, training, skipped)
+        cfg, source = self._tuned_config(impl, name, tuned, args, kwargs, config, device_kind)
+        choice = Choice(name, impl, cfg, source, training, tuple(refused) + skipped)
         inference = fired.get("forward_only")
         if inference is not None and config is None:
             fwd_name, fwd_impl, fwd_skipped = self._first_runnable(inference.prefer + order, platform, args, kwargs, None)
             if fwd_name != name:
-                fwd_cfg, fwd_source = fwd_impl.resolve_config(args, kwargs, None, device_kind)
+                fwd_cfg, fwd_source = self._tuned_config(fwd_impl, fwd_name, tuned, args, kwargs, None, device_kind)
                 choice = Choice(fwd_name, fwd_impl, fwd_cfg, fwd_source, inference, fwd_skipped,
                                 gradient_backend=name, gradient_impl=impl, gradient_config=cfg, gradient_rule=training)
         return choice
@@ -240,6 +289,9 @@ class Op:
         return f"{self.name}({', '.join(parts)})"
 
     def __call__(self, *args: Any, backend: str | None = None, config: KernelConfig | None = None, **kwargs: Any) -> Any:
+        calls = _CALLS.get()
+        if calls is not None:
+            calls.append(tuning.Call.of(self.name, args, kwargs, backend, config))
         choice = self.choose(args, kwargs, backend, config)
         recorder = _RECORDER.get()
         if recorder is not None:
@@ -249,7 +301,21 @@ class Op:
         return choice.impl.call(args, kwargs, choice.config)
 
 
-def _rule_text(rule: Rule | None, backend: str | None) -> str:
+def _entry_config(impl: Implementation, entry: tuning.TuningEntry) -> KernelConfig | None:
+    """The config a tuning entry names, or None (with a warning) when it no longer fits."""
+    if impl.config_type is None:
+        tuning.stale(entry, "this backend takes no config")
+        return None
+    try:
+        return impl.config_type.from_dict(entry.config)
+    except (TypeError, ValueError) as e:
+        tuning.stale(entry, str(e))
+        return None
+
+
+def _rule_text(rule: Rule | None, backend: str | None, chosen_by: str | None = None) -> str:
+    if chosen_by is not None:
+        return chosen_by
     if backend is not None:
         return f"backend={backend!r} (explicit)"
     if rule is None:
@@ -263,7 +329,26 @@ def _decision(op: Op, args, kwargs, backend: str | None, choice: Choice) -> Deci
     if choice.gradient_backend is not None:
         gradient = f"{choice.gradient_backend} ({_rule_text(choice.gradient_rule, None)})"
     return Decision(op.name, op.describe_call(args, kwargs), choice.backend, config,
-                    _rule_text(choice.rule, backend), choice.skipped, gradient, choice.gradient_backend)
+                    _rule_text(choice.rule, backend, choice.tuning), choice.skipped, gradient, choice.gradient_backend,
+                    _alternatives(op, args, kwargs, choice))
+
+
+def _alternatives(op: Op, args, kwargs, choice: Choice) -> tuple[tuple[str, str], ...]:
+    """For each backend neither chosen nor skipped: whether it could run the call, and its time
+    in a tuning entry."""
+    platform, device_kind = runtime.current_platform(), runtime.current_device_kind()
+    timed = {e.backend: e for _, e in reversed(op.tuned(args, kwargs, device_kind))}
+    taken = {choice.backend, choice.gradient_backend} | {name for name, _ in choice.skipped}
+    found = []
+    for name in op.backends:
+        if name in taken:
+            continue
+        impl = op.implementation(name)
+        reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
+        entry = timed.get(name)
+        measured = f" ({entry.seconds * 1e3:.4g} ms {entry.timed} in the tuning)" if entry and entry.seconds is not None else ""
+        found.append((name, (reason or "could run this call") + measured))
+    return tuple(found)
 
 
 # The registry: op name -> Op.

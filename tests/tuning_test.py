@@ -1,0 +1,162 @@
+"""Tunings: JSON round trip and merge, the context manager's precedence, stale entries, fallback
+when a tuned backend refuses a call, autotune (inside jax.grad too) and FORGEAX_AUTOTUNE."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import forgeax
+from forgeax import core, ops
+from forgeax.core import autotuning, tuning
+from forgeax.core.tuning import StaleTuningWarning, Tuning, TuningEntry
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaleConfig(forgeax.KernelConfig):
+    scale: int = 3
+
+
+def _scaled(x, *, config):
+    if config.scale == 13:
+        raise RuntimeError("13 does not compile")
+    return x * config.scale
+
+
+@pytest.fixture
+def probe():
+    """A test op whose config changes its result (so a test sees which config a call compiled
+    with): `xla` doubles, `kern` multiplies by its config's scale and refuses odd widths."""
+    kern = forgeax.Implementation(
+        fn=_scaled, platforms=set(core.PLATFORMS), config_type=ScaleConfig,
+        heuristic_config=lambda x: ScaleConfig(), candidate_configs=lambda x: [ScaleConfig(scale=s) for s in (3, 4, 13)],
+        supports=lambda x: None if x.shape[-1] % 2 == 0 else "odd widths are not handled")
+    op = forgeax.define_op("tuning_probe", {"xla": forgeax.Implementation(fn=lambda x: 2 * x), "kern": kern},
+                           priority={p: ("kern",) for p in core.PLATFORMS})
+    yield op
+    del core.OPS["tuning_probe"]
+
+
+def _entry(x, backend, config=None, device=None, **kwargs):
+    return TuningEntry(device or core.current_device_kind(), "tuning_probe", tuning.signature((x,), {}), backend, config, **kwargs)
+
+
+def test_round_trip_and_merge_right_wins():
+    a = Tuning([TuningEntry("NVIDIA H100", "attention", "k1", "triton", {"block_m": 64}, 1e-3, "fwd+bwd"),
+                TuningEntry("NVIDIA H100", "attention", "k1", "xla", None, 2e-3, "fwd+bwd"),
+                TuningEntry("NVIDIA H100", "rms_norm", "k2", "xla")], report=[{"op": "attention", "error": "boom"}])
+    again = Tuning.loads(a.dumps())
+    assert again == a and again.entries == a.entries and again.report == a.report
+    data = json.loads(a.dumps())
+    assert data["forgeax"] == forgeax.__version__
+    assert set(data["entries"][0]) == {"device", "op", "key", "backend", "config", "seconds", "timed"}
+    b = Tuning([TuningEntry("NVIDIA H100", "attention", "k1", "pallas_gpu", {"block_q": 128}, 5e-4)])
+    merged = a | b
+    assert [e.backend for e in merged.lookup("NVIDIA H100 80GB HBM3", "attention", "k1")] == ["pallas_gpu", "triton", "xla"]
+    assert [e.backend for e in (b | a).lookup("NVIDIA H100", "attention", "k1")] == ["triton", "xla", "pallas_gpu"]
+    assert len(merged) == 4 and merged[("NVIDIA H100", "rms_norm", "k2", "xla")].backend == "xla"
+    assert merged.lookup("NVIDIA H200", "attention", "k1") == ()
+    with pytest.raises(ValueError, match="not a forgeax tuning"):
+        Tuning.loads('{"entries": []}')
+
+
+def test_active_tuning_sets_backend_and_config_and_explain_names_the_entry(probe):
+    x = jnp.ones((4, 6))
+    assert float(probe(x)[0, 0]) == 3.0  # priority: kern with the heuristic config
+    with Tuning([_entry(x, "kern", {"scale": 5})]):
+        assert float(jax.jit(probe)(x)[0, 0]) == 5.0  # compiled with the tuned config
+        report = forgeax.explain(probe, x)
+        assert float(probe(x, config=ScaleConfig(scale=7))[0, 0]) == 7.0  # explicit config wins
+        assert float(probe(x, backend="xla")[0, 0]) == 2.0  # explicit backend wins
+    decision = report.decisions[0]
+    assert decision.backend == "kern" and "ScaleConfig(scale=5)" in decision.config
+    assert decision.rule.startswith("active tuning: tuning entry tuning_probe[float32[4,6]]")
+    assert ("xla", "could run this call") in decision.alternatives
+    assert float(probe(x)[0, 0]) == 3.0  # the block ended
+    with Tuning([_entry(x, "xla", seconds=1e-6), _entry(x, "kern", {"scale": 4}, seconds=2e-6)]):
+        assert float(probe(x)[0, 0]) == 2.0  # the tuning's first backend beats the priority
+        assert float(probe(x, backend="kern")[0, 0]) == 4.0  # a named backend takes its tuned config
+        assert "1e-06" not in str(forgeax.explain(probe, x)) and "0.002 ms fwd" in str(forgeax.explain(probe, x))
+
+
+def test_nested_tunings_merge_and_threads_do_not_share(probe):
+    import threading
+
+    x = jnp.ones((2, 4))
+    seen = []
+    with Tuning([_entry(x, "kern", {"scale": 5})]):
+        with Tuning([_entry(jnp.ones((2, 8)), "kern", {"scale": 6})]):
+            assert float(probe(x)[0, 0]) == 5.0 and float(probe(jnp.ones((2, 8)))[0, 0]) == 6.0
+            thread = threading.Thread(target=lambda: seen.append(float(probe(x)[0, 0])))
+            thread.start()
+            thread.join()
+    assert seen == [3.0]
+
+
+def test_stale_and_foreign_entries_are_ignored_with_a_warning(probe):
+    x = jnp.ones((4, 6))
+    old = json.loads(Tuning([_entry(x, "kern", {"scale": 5})]).dumps())
+    old["forgeax"] = "0.0.1"
+    with pytest.warns(StaleTuningWarning, match="written by forgeax 0.0.1"):
+        assert len(Tuning.loads(json.dumps(old))) == 0
+    with pytest.warns(StaleTuningWarning, match="entries for \\['NVIDIA H200'\\] are ignored"):
+        with Tuning([_entry(x, "kern", {"scale": 5}, device="NVIDIA H200")]):
+            assert float(probe(x)[0, 0]) == 3.0
+    with Tuning([_entry(x, "kern", {"scale": 5, "block": 64})]):
+        with pytest.warns(StaleTuningWarning, match="unknown fields \\['block'\\]"):
+            assert float(probe(x)[0, 0]) == 3.0  # the config no longer fits: the heuristic
+
+
+def test_selection_falls_back_when_the_tuned_backend_refuses(probe):
+    x = jnp.ones((4, 5))  # odd width: kern refuses
+    with Tuning([_entry(x, "kern", {"scale": 5})]):
+        assert float(probe(x)[0, 0]) == 2.0
+        decision = forgeax.explain(probe, x).decisions[0]
+    assert decision.backend == "xla"
+    assert decision.skipped[0] == ("kern", "odd widths are not handled (refused the active tuning entry)")
+
+
+def test_autotune_finds_calls_inside_grad_times_them_and_round_trips(probe):
+    x, scale = jnp.ones((3, 8)), jnp.ones((8,))
+
+    def loss(x):
+        return jnp.sum(ops.rms_norm(probe(x), scale))
+
+    calls = autotuning.find_calls(jax.grad(loss), x)
+    assert [(c.op, c.differentiated) for c in calls] == [("tuning_probe", True), ("rms_norm", True)]
+    assert [c.differentiated for c in autotuning.find_calls(loss, x)] == [False, False]
+    tuned = forgeax.autotune(jax.grad(loss), x, rounds=1, calls=1, progress=False)
+    probe_entries = tuned.lookup(core.current_device_kind(), "tuning_probe", tuning.signature((x,), {}))
+    assert {e.backend for e in probe_entries} == {"xla", "kern"}
+    assert all(e.timed == "fwd+bwd" and e.seconds > 0 for e in probe_entries)
+    assert [e.seconds for e in probe_entries] == sorted(e.seconds for e in probe_entries)
+    assert any(e.op == "rms_norm" and e.backend == "xla" for e in tuned.entries)
+    failed = [r for r in tuned.report if "error" in r]
+    assert [(r["backend"], r["config"]) for r in failed] == [("kern", {"scale": 13})]  # recorded, skipped
+    assert "13 does not compile" in failed[0]["error"]
+    assert Tuning.loads(tuned.dumps()) == tuned
+    with tuned:
+        decision = forgeax.explain(jax.grad(loss), x).decisions[0]
+    assert decision.backend == probe_entries[0].backend and decision.rule.startswith("active tuning")
+
+
+def test_forgeax_autotune_tunes_each_new_call_once(probe, monkeypatch):
+    monkeypatch.setenv("FORGEAX_AUTOTUNE", "1")
+    x = jnp.ones((2, 10))
+    key = tuning.signature((x,), {})
+    assert float(jax.jit(probe)(x)[0, 0]) in (2.0, 3.0, 4.0)  # tuned inside the jit trace
+    implicit = tuning.implicit().lookup(core.current_device_kind(), "tuning_probe", key)
+    assert {e.backend for e in implicit} == {"xla", "kern"}
+    assert forgeax.explain(probe, x).decisions[0].rule.startswith("FORGEAX_AUTOTUNE tuning")
+    monkeypatch.delenv("FORGEAX_AUTOTUNE")
+    assert not tuning.autotune_enabled()
+
+
+def test_shipped_tunings_load_when_present():
+    shipped = tuning.shipped()
+    assert isinstance(shipped, Tuning)
+    assert all(e.device and e.op in core.OPS for e in shipped.entries)
