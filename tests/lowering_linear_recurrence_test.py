@@ -1,0 +1,70 @@
+"""Cross-lowering of the linear_recurrence and mean_pool kernels on CPU (no GPU or TPU needed).
+
+Triton: `lower(lowering_platforms=("cuda",))` makes jax-triton compile each @triton.jit kernel to
+PTX for sm_90 (a `triton_kernel_call` custom call); Mosaic TPU: Pallas' TPU lowering to a
+`tpu_custom_call` (BlockSpec legality, kernel tracing; not libtpu's layout passes). Forward and
+backward both; the backward must be kernels (custom_vjp), not autodiff through the forward.
+Numerics are the conformance suites' job.
+
+Run: JAX_PLATFORMS=cpu pytest tests/lowering_linear_recurrence_test.py   (WITHOUT TRITON_INTERPRET)
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import conformance
+
+TRITON = "triton_kernel_call"
+TPU = "@tpu_custom_call"
+_INTERPRETED_TRITON = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+needs_compiled_triton = pytest.mark.skipif(_INTERPRETED_TRITON, reason="cross-lowering needs compiled Triton: unset TRITON_INTERPRET")
+
+# ([B, T, D], dtype, reverse, with initial_state): the benchmark shape, odd T and D, one step.
+RECURRENCE_CASES = [
+    ((8, 16384, 4096), jnp.bfloat16, False, False),
+    ((2, 65, 1000), jnp.float32, True, True),
+    ((1, 1, 7), jnp.float16, False, True),
+    ((3, 1000, 130), jnp.bfloat16, True, False),
+]
+
+
+def _recurrence_lowerings(module, shape, dtype, reverse, with_h0, platform):
+    impl = module.LINEAR_RECURRENCE
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    h0 = jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.float32) if with_h0 else None
+    config = impl.heuristic_config(x, x, h0, reverse=reverse)
+
+    def forward(x, a, h0):
+        return impl.fn(x, a, h0, reverse=reverse, config=config)
+
+    def backward(x, a, h0, g):
+        return jax.vjp(forward, x, a, h0)[1](g)
+
+    return (conformance.lowered_text(forward, x, x, h0, platform=platform),
+            conformance.lowered_text(backward, x, x, h0, x, platform=platform))
+
+
+@needs_compiled_triton
+@pytest.mark.parametrize("shape,dtype,reverse,with_h0", RECURRENCE_CASES, ids=str)
+def test_triton_linear_recurrence_lowers_for_sm90(shape, dtype, reverse, with_h0):
+    from forgeax.kernels.triton import linear_recurrence as module
+
+    forward, backward = _recurrence_lowerings(module, shape, dtype, reverse, with_h0, "cuda")
+    assert forward.count(TRITON) == 1
+    assert backward.count(TRITON) == 2  # the forward (residual h) and the fused backward
+
+
+@pytest.mark.parametrize("shape,dtype,reverse,with_h0", RECURRENCE_CASES, ids=str)
+def test_pallas_tpu_linear_recurrence_lowers_for_tpu(shape, dtype, reverse, with_h0):
+    from forgeax.kernels.pallas.tpu import linear_recurrence as module
+
+    forward, backward = _recurrence_lowerings(module, shape, dtype, reverse, with_h0, "tpu")
+    assert forward.count(TPU) == 1
+    assert backward.count(TPU) == 2  # the forward and the backward recurrence
