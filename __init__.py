@@ -6,7 +6,7 @@
     print(forgeax.explain(lambda x: ops.rms_norm(x, scale), x))
 """
 
-from forgeax import ops
+from forgeax import export, ops
 from forgeax.core import (
     Implementation,
     KernelConfig,
@@ -32,6 +32,7 @@ __all__ = [
     "autotune",
     "define_op",
     "explain",
+    "export",
     "interpret_mode",
     "ops",
     "register_backend",

@@ -121,6 +121,9 @@ def _launch(spec: _Launch, batch: _Batch, arrays: Sequence[jax.Array]) -> list[j
     metaparams = dict(spec.metaparams)
     grid = spec.grid_for(metaparams)
     out_shapes = spec.out_shapes
+    # Every declared batch stride is passed (0 when not vmapped): jax-triton's compile does not
+    # apply a constexpr's default value.
+    metaparams.update({n: 0 for n in _parameter_names(spec.kernel) if n.endswith(BATCH_STRIDE_SUFFIX)})
     if batch is not None:
         size, flags = batch
         # Per-example strides in elements: the operands' leading axis is the batch.
