@@ -1,0 +1,356 @@
+"""Block-sparse attention (NSA's selected branch) as Triton kernels: forward, dQ, dK/dV.
+
+The contract is kernels/common/sparse_attention.py: q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv] read in
+place (constexpr strides), block_indices [B,K,cdiv(T,bs),W]. XLA first turns block_indices into
+tables of static size (`forward_table`: per query block its key blocks, ascending, deduplicated,
+and their count; `transposed_table`: per key block the query blocks reading it), so every kernel
+loops over exactly the selected pairs, with the loop bound loaded from the table.
+
+  * `_fwd_kernel`, grid (cdiv(T, bs), B*K*(G/g)): a program holds `g` query heads of one kv head
+    for one query block (g*bs rows: the heads share the block's selection, so each K/V tile is
+    loaded once for all of them), online softmax over the selected key blocks in log2 units;
+    out = acc / l (0 when l == 0), lse = ln 2 (m + log2 l) (-inf when l == 0).
+  * `_dq_kernel`, the same grid: recomputes p = 2^(z - lse) per selected block,
+    dz = p (dp - D) with D = rowsum(dout * out) - dlse (one XLA reduction), dq = scale dz k.
+  * `_dkdv_kernel`, grid (cdiv(S, bs), B*K): a key block of one kv head loops over the query
+    blocks of its transposed-table row and, for each, over the G query heads in tiles of `g'`
+    heads; dk and dv are summed in f32 registers and stored once. No atomics: deterministic.
+Every tile applies the key tail (s < S) and, with causal, s <= t + S - T; rows past T load
+lse = -inf, so p = 0 there. Head dims are padded to powers of two (>= 16) with masked loads; f32
+uses tf32x3 dots, the interpreter f32 dots (`attention_tiles.dot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from forgeax.core.config import KernelConfig
+from forgeax.core.registry import Implementation
+from forgeax.core.runtime import interpret_enabled
+from forgeax.kernels.common.sparse_attention import (
+    SparseAttentionSpec, differentiable_sparse_attention, forward_table, num_blocks, transposed_table,
+)
+from forgeax.kernels.triton.attention_tiles import LN2, LOG2E, dot, padded_dim
+from forgeax.kernels.triton.elementwise import tanh
+from forgeax.kernels.triton.launch import triton_call
+
+__all__ = ["SPARSE_ATTENTION", "TritonSparseAttentionConfig", "candidate_configs", "heuristic_config"]
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_BLOCK_SIZES = (16, 32, 64, 128)
+MAX_HEAD_DIM = 256
+_WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonSparseAttentionConfig(KernelConfig):
+    """Launch shape of one call. `heads`: query heads per forward / dQ program (a power of two;
+    each program holds heads * block_size rows); `bwd_heads`: query heads per dK/dV tile. A
+    call uses the largest power of two <= the field that divides its G = N // K."""
+
+    heads: int
+    fwd_warps: int
+    fwd_stages: int
+    bwd_heads: int
+    bwd_warps: int
+    bwd_stages: int
+
+    def validate(self) -> None:
+        super().validate()
+        name = type(self).__name__
+        for field in ("heads", "bwd_heads"):
+            value = getattr(self, field)
+            if value & (value - 1):
+                raise ValueError(f"{name}.{field}: expected a power of two, got {value}")
+        for field in ("fwd_warps", "bwd_warps"):
+            if getattr(self, field) not in _WARPS:
+                raise ValueError(f"{name}.{field}: expected one of {_WARPS}, got {getattr(self, field)}")
+
+
+def _heads(wanted: int, group: int) -> int:
+    """The largest power of two <= wanted dividing group."""
+    g = 1
+    while g * 2 <= wanted and group % (g * 2) == 0:
+        g *= 2
+    return g
+
+
+def heuristic_config(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> TritonSparseAttentionConfig:
+    """About 128 rows per forward / dQ program and per dK/dV tile (FlashAttention-2's 128 x 64
+    shape at block_size 64); 8 warps from 128 rows, 4 below. Not tuned on a GPU yet."""
+    del k, v, block_indices
+    if interpret_enabled():
+        return TritonSparseAttentionConfig(heads=2, fwd_warps=4, fwd_stages=1, bwd_heads=2, bwd_warps=4, bwd_stages=1)
+    heads = max(1, 128 // spec.block_size)
+    warps = 8 if heads * spec.block_size >= 128 and padded_dim(q.shape[3]) >= 64 else 4
+    stages = 2 if jnp.dtype(q.dtype).itemsize == 4 or padded_dim(q.shape[3]) > 128 else 3
+    return TritonSparseAttentionConfig(heads=heads, fwd_warps=warps, fwd_stages=stages, bwd_heads=heads,
+                                       bwd_warps=warps, bwd_stages=stages)
+
+
+def candidate_configs(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> tuple[TritonSparseAttentionConfig, ...]:
+    """The heuristic's config, then heads halved / doubled, warps 4 / 8 and stages 2..4 per half."""
+    base = heuristic_config(q, k, v, block_indices, spec=spec)
+    configs = [base]
+    for heads in (base.heads // 2, base.heads * 2):
+        if heads >= 1:
+            configs += [base.replace(heads=heads), base.replace(bwd_heads=heads)]
+    for warps in (4, 8):
+        for stages in (2, 3, 4):
+            configs += [base.replace(fwd_warps=warps, fwd_stages=stages), base.replace(bwd_warps=warps, bwd_stages=stages)]
+    return tuple(dict.fromkeys(configs))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _rows(PTR, b, t, n, d, L: tl.constexpr, NH: tl.constexpr, D: tl.constexpr):
+    """[len(t), len(d)] tile of a [B, L, NH, D] array at (b, t[r], n[r], d), zeros past L and D."""
+    offs = b.to(tl.int64) * (L * NH * D) + t[:, None] * (NH * D) + n[:, None] * D + d[None, :]
+    return tl.load(PTR + offs, mask=(t[:, None] < L) & (d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _logits2(qk, t, s, T: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
+             CAUSAL: tl.constexpr):
+    """(logits in log2 units, -inf where the key is past S or after the query; tanh of the cap)."""
+    th = 0.0
+    if CAP > 0:
+        th = tanh(qk * (SCALE / CAP))
+        z = th * (CAP * LOG2E)
+    else:
+        z = qk * (SCALE * LOG2E)
+    ok = s < S
+    if CAUSAL:
+        ok = ok & (s <= t + (S - T))
+    return tl.where(ok, z, float("-inf")), th
+
+
+@triton.jit
+def _query_rows(pid1, KH: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BS: tl.constexpr):
+    """(b, kv head, first query head, r // BS, r % BS) of a forward / dQ program's rows r."""
+    GROUPS: tl.constexpr = G // GH
+    b = pid1 // (KH * GROUPS)
+    kh = (pid1 // GROUPS) % KH
+    n0 = kh * G + (pid1 % GROUPS) * GH
+    r = tl.arange(0, GH * BS)
+    return b, kh, n0, r // BS, r % BS
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, COLS, COUNTS, O, LSE, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
+                KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
+                SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr,
+                GH: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
+    NQ: tl.constexpr = (T + BS - 1) // BS
+    i = tl.num_programs(0) - 1 - tl.program_id(0)  # later query blocks see more keys under causal
+    b, kh, n0, head, row = _query_rows(tl.program_id(1), KH, N // KH, GH, BS)
+    t = i * BS + row
+    n = n0 + head
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    q = _rows(Q, b, t, n, h, T, N, H)
+    acc = tl.zeros([GH * BS, HVP], dtype=tl.float32)
+    m_i = tl.full([GH * BS], float("-inf"), tl.float32)
+    l_i = tl.zeros([GH * BS], dtype=tl.float32)
+    table = (b * KH + kh) * NQ + i
+    count = tl.load(COUNTS + table)
+    for w in range(0, count):
+        j = tl.load(COLS + table.to(tl.int64) * W + w)
+        s = j * BS + tl.arange(0, BS)
+        kt = tl.trans(_rows(K, b, s, kh + 0 * s, h, S, KH, H))
+        z, _ = _logits2(dot(q, kt, DOT), t[:, None], s[None, :], T, S, SCALE, CAP, CAUSAL)
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(z - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = _rows(V, b, s, kh + 0 * s, hv, S, KH, HV)
+        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT)
+        m_i = m_new
+    nonempty = l_i > 0.0
+    out = acc * tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)[:, None]
+    o_offs = b.to(tl.int64) * (T * N * HV) + t[:, None] * (N * HV) + n[:, None] * HV + hv[None, :]
+    tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=(t[:, None] < T) & (hv[None, :] < HV))
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(nonempty, (m_safe + tl.math.log2(tl.where(nonempty, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(LSE + (b * N + n).to(tl.int64) * T + t, lse, mask=t < T)
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, b, n, t, T: tl.constexpr, N: tl.constexpr):
+    """(lse in log2 units, +inf on empty rows and rows past T so that p = 0 there; D)."""
+    offs = (b * N + n).to(tl.int64) * T + t
+    lse = tl.load(LSE + offs, mask=t < T, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return lse2, tl.load(DELTA + offs, mask=t < T, other=0.0)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, COLS, COUNTS, DO, LSE, DELTA, DQ, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
+               KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
+               SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr,
+               GH: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
+    NQ: tl.constexpr = (T + BS - 1) // BS
+    i = tl.num_programs(0) - 1 - tl.program_id(0)
+    b, kh, n0, head, row = _query_rows(tl.program_id(1), KH, N // KH, GH, BS)
+    t = i * BS + row
+    n = n0 + head
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    q = _rows(Q, b, t, n, h, T, N, H)
+    do = _rows(DO, b, t, n, hv, T, N, HV)
+    lse2, d = _row_stats(LSE, DELTA, b, n, t, T, N)
+    dq = tl.zeros([GH * BS, HP], dtype=tl.float32)
+    table = (b * KH + kh) * NQ + i
+    count = tl.load(COUNTS + table)
+    for w in range(0, count):
+        j = tl.load(COLS + table.to(tl.int64) * W + w)
+        s = j * BS + tl.arange(0, BS)
+        kk = _rows(K, b, s, kh + 0 * s, h, S, KH, H)
+        vv = _rows(V, b, s, kh + 0 * s, hv, S, KH, HV)
+        z, th = _logits2(dot(q, tl.trans(kk), DOT), t[:, None], s[None, :], T, S, SCALE, CAP, CAUSAL)
+        p = tl.math.exp2(z - lse2[:, None])
+        dz = p * (dot(do, tl.trans(vv), DOT) - d[:, None])
+        if CAP > 0:
+            dz = dz * (1.0 - th * th)
+        dq += dot(dz.to(kk.dtype), kk, DOT)
+    offs = b.to(tl.int64) * (T * N * H) + t[:, None] * (N * H) + n[:, None] * H + h[None, :]
+    tl.store(DQ + offs, (dq * SCALE).to(DQ.dtype.element_ty), mask=(t[:, None] < T) & (h[None, :] < H))
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, ROWS, COUNTS, DO, LSE, DELTA, DK, DV, T: tl.constexpr, S: tl.constexpr,
+                 N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr,
+                 HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr,
+                 BS: tl.constexpr, GH: tl.constexpr, DOT: tl.constexpr):
+    G: tl.constexpr = N // KH
+    NQ: tl.constexpr = (T + BS - 1) // BS
+    NK: tl.constexpr = (S + BS - 1) // BS
+    j = tl.program_id(0)
+    bk = tl.program_id(1)
+    b = bk // KH
+    kh = bk % KH
+    s = j * BS + tl.arange(0, BS)
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
+    kk = _rows(K, b, s, kh + 0 * s, h, S, KH, H)
+    vv = _rows(V, b, s, kh + 0 * s, hv, S, KH, HV)
+    dk = tl.zeros([BS, HP], dtype=tl.float32)
+    dv = tl.zeros([BS, HVP], dtype=tl.float32)
+    r = tl.arange(0, GH * BS)
+    table = bk * NK + j
+    count = tl.load(COUNTS + table)
+    for w in range(0, count):
+        i = tl.load(ROWS + table.to(tl.int64) * NQ + w)
+        t = i * BS + r % BS
+        for g0 in range(0, G, GH):
+            n = kh * G + g0 + r // BS
+            q = _rows(Q, b, t, n, h, T, N, H)
+            do = _rows(DO, b, t, n, hv, T, N, HV)
+            lse2, d = _row_stats(LSE, DELTA, b, n, t, T, N)
+            zt, tht = _logits2(dot(kk, tl.trans(q), DOT), t[None, :], s[:, None], T, S, SCALE, CAP, CAUSAL)
+            pt = tl.math.exp2(zt - lse2[None, :])
+            dv += dot(pt.to(do.dtype), do, DOT)
+            dzt = pt * (dot(vv, tl.trans(do), DOT) - d[None, :])
+            if CAP > 0:
+                dzt = dzt * (1.0 - tht * tht)
+            dk += dot(dzt.to(q.dtype), q, DOT)
+    k_offs = b.to(tl.int64) * (S * KH * H) + s[:, None] * (KH * H) + kh * H + h[None, :]
+    v_offs = b.to(tl.int64) * (S * KH * HV) + s[:, None] * (KH * HV) + kh * HV + hv[None, :]
+    tl.store(DK + k_offs, (dk * SCALE).to(DK.dtype.element_ty), mask=(s[:, None] < S) & (h[None, :] < H))
+    tl.store(DV + v_offs, dv.to(DV.dtype.element_ty), mask=(s[:, None] < S) & (hv[None, :] < HV))
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _statics(q, k, v, spec: SparseAttentionSpec) -> dict:
+    B, T, N, H = q.shape
+    S, KH, HV = k.shape[1], k.shape[2], v.shape[3]
+    return dict(T=T, S=S, N=N, KH=KH, H=H, HV=HV, HP=padded_dim(H), HVP=padded_dim(HV), SCALE=float(spec.scale),
+                CAP=float(spec.logit_soft_cap or 0.0), CAUSAL=spec.causal, BS=spec.block_size,
+                DOT=2 if interpret_enabled() else int(q.dtype == jnp.float32))
+
+
+def forward(q, k, v, block_indices, *, spec: SparseAttentionSpec, config: TritonSparseAttentionConfig):
+    """(out [B, T, N, Hv] in q's dtype, lse [B, N, T] f32)."""
+    B, T, N, _ = q.shape
+    S, KH, HV = k.shape[1], k.shape[2], v.shape[3]
+    gh = _heads(config.heads, N // KH)
+    cols, counts = forward_table(block_indices, spec, T, S)
+    return triton_call(
+        q, k, v, cols, counts, kernel=_fwd_kernel,
+        out_shape=(jax.ShapeDtypeStruct((B, T, N, HV), q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32)),
+        grid=(num_blocks(T, spec.block_size), B * N // gh), num_warps=config.fwd_warps, num_stages=config.fwd_stages,
+        GH=gh, W=cols.shape[-1], **_statics(q, k, v, spec))
+
+
+def backward(q, k, v, block_indices, out, lse, dout, dlse, *, spec: SparseAttentionSpec,
+             config: TritonSparseAttentionConfig):
+    """(dq, dk, dv) in f32-accumulated kernels, stored in q's / k's / v's dtypes."""
+    B, T, N, H = q.shape
+    S, KH, HV = k.shape[1], k.shape[2], v.shape[3]
+    statics = _statics(q, k, v, spec)
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
+    cols, counts = forward_table(block_indices, spec, T, S)
+    gh = _heads(config.heads, N // KH)
+    dq = triton_call(
+        q, k, v, cols, counts, dout, lse, delta, kernel=_dq_kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(num_blocks(T, spec.block_size), B * N // gh), num_warps=config.bwd_warps, num_stages=config.bwd_stages,
+        GH=gh, W=cols.shape[-1], **statics)
+    rows, row_counts = transposed_table(block_indices, spec, T, S)
+    dk, dv = triton_call(
+        q, k, v, rows, row_counts, dout, lse, delta, kernel=_dkdv_kernel,
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid=(num_blocks(S, spec.block_size), B * KH), num_warps=config.bwd_warps, num_stages=config.bwd_stages,
+        GH=_heads(config.bwd_heads, N // KH), **statics)
+    return dq, dk, dv
+
+
+@functools.cache
+def _differentiable(config: TritonSparseAttentionConfig):
+    return differentiable_sparse_attention(functools.partial(forward, config=config),
+                                           functools.partial(backward, config=config))
+
+
+def sparse_attention(q, k, v, block_indices, *, spec: SparseAttentionSpec, config: TritonSparseAttentionConfig):
+    """The backend's `fn` (signature: kernels/common/sparse_attention.py)."""
+    return _differentiable(config)(q, k, v, block_indices, spec=spec)
+
+
+def supports(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> str | None:
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if jnp.dtype(a.dtype) not in _DTYPES:
+            return f"{name} dtype {jnp.dtype(a.dtype).name} is not one of float32/bfloat16/float16"
+    if spec.block_size not in _BLOCK_SIZES:
+        return f"block_size {spec.block_size}: the kernels' tiles take {_BLOCK_SIZES}"
+    H, HV = q.shape[3], v.shape[3]
+    if max(H, HV) > MAX_HEAD_DIM:
+        return f"head dims (H={H}, Hv={HV}) above {MAX_HEAD_DIM}"
+    if q.dtype == jnp.float32 and max(H, HV) > 128 and not interpret_enabled():
+        return f"float32 with head dims (H={H}, Hv={HV}) above 128 spills registers; use bf16/f16"
+    if 0 in q.shape or 0 in k.shape:
+        return "empty q/k/v"
+    B, T, N, _ = q.shape
+    S, KH = k.shape[1], k.shape[2]
+    if B * N >= 65536:
+        return f"B*N={B * N} exceeds the grid's second axis (65535)"
+    if max(B * T * N * max(H, HV), B * S * KH * max(H, HV)) >= 2**31:
+        return "arrays with >= 2^31 elements (int32 row offsets)"
+    del block_indices
+    return None
+
+
+SPARSE_ATTENTION = Implementation(
+    fn=sparse_attention, platforms=("gpu",), interpretable=True, supports=supports,
+    config_type=TritonSparseAttentionConfig, heuristic_config=heuristic_config, candidate_configs=candidate_configs,
+)
