@@ -25,6 +25,8 @@ from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.gated_mlp import gated_mlp
 from forgeax.ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_step, lightning_attention
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
+from forgeax.ops.linear_recurrence import linear_recurrence
+from forgeax.ops.mean_pool import mean_pool
 from forgeax.ops.mla_decode import mla_decode
 from forgeax.ops.moe import moe_mlp
 from forgeax.ops.newton_schulz import newton_schulz
@@ -60,6 +62,8 @@ __all__ = [
     "layer_norm",
     "lightning_attention",
     "linear_cross_entropy",
+    "linear_recurrence",
+    "mean_pool",
     "mla_decode",
     "moe_mlp",
     "newton_schulz",
