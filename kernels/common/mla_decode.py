@@ -1,0 +1,49 @@
+"""Multi-head latent attention decode: what every backend of `ops.mla_decode` shares.
+
+The math and layout are in ops/mla_decode.py's docstring. Every backend takes
+(q_latent [B, N, L], q_rope [B, N, R], kv_latent, k_rope, lengths [B] int32, page_table or None)
+with a `paged.PagedSpec` (scale, return_lse; no window, no soft cap) and returns (out [B, N, L] in
+q_latent's dtype, lse [B, N] f32). The caller has clamped lengths into [0, S] (contiguous) or
+[0, max_pages * page_size] (paged) and page ids into [0, num_pages).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from forgeax.kernels.common.paged import PagedSpec
+
+# DeepSeek-V2/V3's attention scale: 1 / sqrt(qk_head_dim), qk_head_dim = qk_nope_head_dim 128 +
+# qk_rope_head_dim 64 (before the absorption of W_UK into the query, which leaves scores unchanged).
+DEEPSEEK_QK_HEAD_DIM = 192
+
+
+def spec_reason(spec: PagedSpec) -> str | None:
+    """Why a backend refuses `spec` (mla_decode has no window and no soft cap), or None."""
+    if spec.window_left is not None or spec.window_right is not None or spec.logit_soft_cap is not None:
+        return "mla_decode takes no window or logit_soft_cap"
+    return None
+
+
+def forward_only(run, backend: str):
+    """`run(*args)` behind a custom_vjp whose forward rule raises: the kernels are forward-only
+    (serving); jax.grad / jax.vjp of them fails at trace time with a message saying what to do."""
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return run(*args)
+
+    def fwd(*args):
+        del args
+        raise NotImplementedError(
+            f"mla_decode: the {backend} kernel is forward-only (decode serving) and has no gradient; "
+            "differentiate ops.mla_decode with backend='xla' (the reference, plain JAX autodiff)")
+
+    def bwd(res, cotangent):  # never reached: fwd raises
+        del res, cotangent
+        raise AssertionError("unreachable")
+
+    wrapped.defvjp(fwd, bwd)
+    return functools.wraps(run)(wrapped)
