@@ -1,7 +1,8 @@
 """`autotune(fn, *args)`: measure every backend and config for each forgeax op call in `fn`.
 
-`fn` is traced abstractly (and, with `grad=True`, its vector-Jacobian product) while `Op.__call__`
-records each call: op, argument shapes and dtypes, options, and whether it was differentiated.
+`fn` is traced abstractly (with `grad=True`, its vector-Jacobian product) while `Op.__call__`
+records each call: op, argument shapes and dtypes, options, and whether it was differentiated
+(`tuning.watch_gradient`).
 For each distinct call, every backend that accepts it on this platform is timed with each of its
 `candidate_configs` (plus the config it would use today: tuned data or heuristic) on random
 inputs of the recorded shapes: forward, or forward and backward for a differentiated call.
@@ -10,8 +11,9 @@ Candidates are compiled in a thread pool and timed one after another with `core/
 recorded in the report and skipped. The result is a `Tuning` with, per call, each backend's
 fastest config, fastest first.
 
-Integer arguments are zeros (valid indices, targets and segment ids); an op whose speed depends
-on integer data (ragged_dot's group sizes) can be given `inputs=`.
+Integer and boolean arguments take the value of an argument of `fn` with the same shape and dtype
+when there is one (ragged_dot's group sizes, cross-entropy's targets passed to `fn`), else zeros
+(valid indices, targets and segment ids); `inputs=` overrides both.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from forgeax.core import dispatch, runtime, timing, tuning
 from forgeax.core.tuning import Call, Tuning, TuningEntry
@@ -57,14 +60,16 @@ def find_calls(fn: Callable[..., Any], *args: Any, grad: bool = False, **kwargs:
     return tuple(unique.values())
 
 
-def random_inputs(call: Call, seed: int = 0) -> tuple[jax.Array, ...]:
-    """Random arrays for the array arguments of `call`: normal floats, zero integers."""
+def random_inputs(call: Call, given: Sequence[Any] = (), seed: int = 0) -> tuple[jax.Array, ...]:
+    """Arrays for the array arguments of `call`: normal floats; integers and booleans from the
+    first of `given` with their shape and dtype, else zeros."""
     arrays = []
     for i, a in enumerate(x for x in call.args if isinstance(x, jax.ShapeDtypeStruct)):
         if jnp.issubdtype(a.dtype, jnp.inexact):
             arrays.append(jax.random.normal(jax.random.key(seed + i), a.shape, jnp.float32).astype(a.dtype))
         else:
-            arrays.append(jnp.zeros(a.shape, a.dtype))
+            same = (g for g in given if tuple(g.shape) == tuple(a.shape) and g.dtype == a.dtype)
+            arrays.append(jnp.asarray(next(same, jnp.zeros(a.shape, a.dtype))))
     return tuple(arrays)
 
 
@@ -146,8 +151,9 @@ def _progress(total: int, enabled: bool):
 
 def tune_calls(calls: Sequence[Call], *, backends: Sequence[str] | None = None, max_configs: int | None = None,
                rounds: int = 5, calls_per_round: int = 10, timeout_s: float = 60.0, workers: int = 4,
-               progress: bool = True, inputs: Callable[[Call], tuple] | None = None) -> Tuning:
-    """A Tuning from timing each call's candidates (see the module docstring)."""
+               progress: bool = True, inputs: Callable[[Call], tuple] | None = None, given: Sequence[Any] = ()) -> Tuning:
+    """A Tuning from timing each call's candidates (see the module docstring); `given`: concrete
+    arrays integer arguments may take their values from."""
     device_kind = runtime.current_device_kind()
     plans = []
     report: list[dict[str, Any]] = []
@@ -164,7 +170,7 @@ def tune_calls(calls: Sequence[Call], *, backends: Sequence[str] | None = None, 
     with _unrecorded(), concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
         try:
             for op, call, found in plans:
-                args = inputs(call) if inputs is not None else random_inputs(call)
+                args = inputs(call) if inputs is not None else random_inputs(call, given)
                 results = _time_call(op, call, found, args, pool, rounds, calls_per_round, timeout_s, advance, report)
                 entries += sorted((TuningEntry(device_kind, call.op, call.key, b, c.to_dict() if c is not None else None, s,
                                                "fwd+bwd" if call.differentiated else "fwd")
@@ -218,8 +224,8 @@ def autotune(fn: Callable[..., Any], *args: Any, grad: bool = False, backends: S
     the `Tuning` of the fastest (use it with `with tuning:`, save it with `tuning.dumps()`).
 
     Args:
-      grad: also trace `jax.vjp(fn)`, and time every call forward and backward (calls already
-        inside a `jax.grad` in `fn` are timed so anyway).
+      grad: trace `jax.vjp(fn)`: every call is timed forward and backward (calls that `fn`
+        itself differentiates are timed so anyway).
       backends: only these backends (default: every registered one that accepts the call).
       max_configs: at most this many configs per backend (the current default first).
       rounds, calls: timing rounds, and back-to-back calls per round (`core/timing.py`).
@@ -228,8 +234,9 @@ def autotune(fn: Callable[..., Any], *args: Any, grad: bool = False, backends: S
       inputs: `(Call) -> arrays` for the call's array arguments (default `random_inputs`).
     """
     found = find_calls(fn, *args, grad=grad, **kwargs)
+    given = [a for a in jax.tree.leaves((args, kwargs)) if isinstance(a, (jax.Array, np.ndarray))]
     return tune_calls(found, backends=backends, max_configs=max_configs, rounds=rounds, calls_per_round=calls,
-                      timeout_s=timeout_s, workers=workers, progress=progress, inputs=inputs)
+                      timeout_s=timeout_s, workers=workers, progress=progress, inputs=inputs, given=given)
 
 
 _TRIED_LOCK = threading.Lock()

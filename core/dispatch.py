@@ -292,6 +292,8 @@ class Op:
         calls = _CALLS.get()
         if calls is not None:
             calls.append(tuning.Call.of(self.name, args, kwargs, backend, config))
+            index = len(calls) - 1
+            args = tuning.watch_gradient(args, lambda: calls.__setitem__(index, dataclasses.replace(calls[index], differentiated=True)))
         choice = self.choose(args, kwargs, backend, config)
         recorder = _RECORDER.get()
         if recorder is not None:

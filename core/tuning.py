@@ -26,7 +26,7 @@ import json
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 FORMAT = "forgeax-tuning/1"
@@ -72,7 +72,7 @@ def signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
 class Call:
     """One op call as a trace saw it: arrays as `jax.ShapeDtypeStruct`s, the options, the backend
     and config the caller passed, and whether the call was being differentiated (an argument is
-    a JAX autodiff tracer; a call inside a nested `jax.jit` under `jax.grad` may not show it)."""
+    a JAX autodiff tracer, or `watch_gradient` saw its forward rule run)."""
 
     op: str
     args: tuple[Any, ...]
@@ -92,6 +92,32 @@ class Call:
     @property
     def key(self) -> str:
         return signature(self.args, self.kwargs)
+
+
+def watch_gradient(args: Sequence[Any], on_gradient: Callable[[], None]) -> tuple[Any, ...]:
+    """`args` passed through an identity whose `custom_vjp` forward rule calls `on_gradient`:
+    it runs when the call is differentiated, also inside a nested `jax.jit` or `jax.checkpoint`,
+    where the arguments are no autodiff tracers. Used only while `autotune` traces."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    positions = [i for i, a in enumerate(args) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
+    if not positions:
+        return tuple(args)
+
+    @jax.custom_vjp
+    def identity(*xs):
+        return xs
+
+    def forward(*xs):
+        on_gradient()
+        return xs, None
+
+    identity.defvjp(forward, lambda _, cotangents: cotangents)
+    watched = list(args)
+    for i, a in zip(positions, identity(*(args[i] for i in positions))):
+        watched[i] = a
+    return tuple(watched)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -129,19 +129,29 @@ def test_autotune_finds_calls_inside_grad_times_them_and_round_trips(probe):
     calls = autotuning.find_calls(jax.grad(loss), x)
     assert [(c.op, c.differentiated) for c in calls] == [("tuning_probe", True), ("rms_norm", True)]
     assert [c.differentiated for c in autotuning.find_calls(loss, x)] == [False, False]
+    assert [c.differentiated for c in autotuning.find_calls(jax.grad(jax.checkpoint(jax.jit(loss))), x)] == [True, True]
+    assert [c.differentiated for c in autotuning.find_calls(loss, x, grad=True)] == [True, True]
     tuned = forgeax.autotune(jax.grad(loss), x, rounds=1, calls=1, progress=False)
     probe_entries = tuned.lookup(core.current_device_kind(), "tuning_probe", tuning.signature((x,), {}))
     assert {e.backend for e in probe_entries} == {"xla", "kern"}
     assert all(e.timed == "fwd+bwd" and e.seconds > 0 for e in probe_entries)
     assert [e.seconds for e in probe_entries] == sorted(e.seconds for e in probe_entries)
     assert any(e.op == "rms_norm" and e.backend == "xla" for e in tuned.entries)
-    failed = [r for r in tuned.report if "error" in r]
+    failed = [r for r in tuned.report if "error" in r and r["op"] == "tuning_probe"]
     assert [(r["backend"], r["config"]) for r in failed] == [("kern", {"scale": 13})]  # recorded, skipped
     assert "13 does not compile" in failed[0]["error"]
     assert Tuning.loads(tuned.dumps()) == tuned
     with tuned:
         decision = forgeax.explain(jax.grad(loss), x).decisions[0]
     assert decision.backend == probe_entries[0].backend and decision.rule.startswith("active tuning")
+
+
+def test_autotune_inputs_take_integer_values_from_the_functions_arguments():
+    sizes = jnp.array([3, 0, 5], jnp.int32)
+    call = tuning.Call.of("ragged_dot", (jnp.ones((8, 4)), jnp.ones((3, 4, 2)), sizes, jnp.ones(5, jnp.int32)), {})
+    lhs, rhs, got, zeros = autotuning.random_inputs(call, given=[jnp.ones(2, jnp.int32), sizes])
+    assert lhs.shape == (8, 4) and float(jnp.std(lhs)) > 0.1 and rhs.dtype == jnp.float32
+    assert got.tolist() == [3, 0, 5] and zeros.tolist() == [0] * 5
 
 
 def test_forgeax_autotune_tunes_each_new_call_once(probe, monkeypatch):
