@@ -24,6 +24,7 @@ import os
 import platform as host_platform
 import statistics
 import sys
+import time
 from typing import Any, Sequence
 
 import jax
@@ -90,6 +91,9 @@ class Timing:
     # paired statistic: both were timed within one round, so clock drift between rounds cancels).
     rounds_ms: tuple[float, ...] = ()
     speedup_vs_anchor_rounds: tuple[float, ...] = ()
+    # Seconds to lower and compile the jitted call (its first compile in this process: caches
+    # warmed by earlier shapes or backends of the same run may help), None where not measured.
+    compile_s: float | None = None
 
 
 def checked_fractions(results: list[Timing], ceiling: float | None) -> tuple[list[Timing], str | None]:
@@ -118,6 +122,19 @@ def parse_backend(name: str) -> tuple[str, dict[str, Any]]:
         key, _, value = setting.partition("=")
         extra[key] = ast.literal_eval(value)
     return backend, extra
+
+
+def lower_and_compile(fn: Any, inputs: Sequence[Any]) -> tuple[float | None, float | None]:
+    """(seconds to lower + compile `fn` on `inputs`, temporary bytes of the executable)."""
+    if not hasattr(fn, "lower"):
+        return None, temp_bytes(fn, inputs)
+    start = time.perf_counter()
+    compiled = fn.lower(*inputs).compile()
+    seconds = time.perf_counter() - start
+    try:
+        return seconds, float(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend/runtime reports it
+        return seconds, None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,22 +172,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     try:
                         fn = (anchor_build(mode, options) if anchor_build else
                               spec.build(None if backend == "default" else backend, mode, {**options, **extra}))
-                        temp = temp_bytes(fn, inputs)
+                        compile_s, temp = lower_and_compile(fn, inputs)
                         time_call(fn, inputs, calls=1, reps=1)  # compile + warm up
-                        fns[name] = (fn, temp)
+                        fns[name] = (fn, temp, compile_s)
                     except interface.UnsupportedError as e:
                         print(f"  skip {op_name} {shape.name} {mode} {name}: {e}", flush=True)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
                         print(f"  FAIL {op_name} {shape.name} {mode} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                rounds = interleaved({name: (fn, inputs) for name, (fn, _) in fns.items()},
+                rounds = interleaved({name: (fn, inputs) for name, (fn, _, _) in fns.items()},
                                      calls=args.calls, rounds=args.reps, warmup=0)
                 row: list[Timing] = []
-                for name, (fn, temp) in fns.items():
+                for name, (fn, temp, compile_s) in fns.items():
                     med = statistics.median(rounds[name])
                     row.append(Timing(op_name, shape.name, shape.dims, shape.dtype, mode, name, med * 1e3,
                                       (min(rounds[name]) * 1e3, max(rounds[name]) * 1e3), nbytes, flops, nbytes / med / 1e12,
                                       flops / med / 1e12, floor_s / med if floor_s else None, temp_bytes=temp,
-                                      rounds_ms=tuple(t * 1e3 for t in rounds[name])))
+                                      rounds_ms=tuple(t * 1e3 for t in rounds[name]), compile_s=compile_s))
                     print(f"  {op_name} {shape.name} {mode} {name}: {med * 1e3:.4f} ms"
                           + (f" {flops / med / 1e12:.0f} TFLOP/s" if flops else f" {nbytes / med / 1e9:.0f} GB/s"), flush=True)
                 xla = next((t for t in row if t.backend == "xla"), None)
@@ -217,7 +234,7 @@ def table(report: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     floor = bool(ceiling) and any(f is not None for f in fractions) and all(f is None or f <= 1 for f in fractions)
     title = report["device"] + (f": copy ceiling {ceiling * 1e3:.0f} GB/s" if floor else "")
     columns = ["op", "shape", "dtype", "mode", "backend", "ms", "GB/s", "TFLOP/s"] + (["of floor"] if floor else []) + [
-        "vs xla", "vs anchor", "temp GB"]
+        "vs xla", "vs anchor", "temp GB", "compile s"]
     rows = []
     for r, fraction in zip(results, fractions):
         rows.append([r["op"], f"{r['shape']} {list(r['dims'])}", r["dtype"], r["mode"], r["backend"], f"{r['median_ms']:.4f}",
@@ -225,7 +242,8 @@ def table(report: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
                     + ([f"{fraction:.0%}" if fraction is not None else "-"] if floor else [])
                     + [f"{r['speedup_vs_xla']:.2f}x" if r["speedup_vs_xla"] else "-",
                        f"{r['speedup_vs_anchor']:.2f}x" if r.get("speedup_vs_anchor") else "-",
-                       f"{r['temp_bytes'] / 1e9:.3f}" if r.get("temp_bytes") is not None else "-"])
+                       f"{r['temp_bytes'] / 1e9:.3f}" if r.get("temp_bytes") is not None else "-",
+                       f"{r['compile_s']:.2f}" if r.get("compile_s") is not None else "-"])
     return title, columns, rows
 
 
@@ -269,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mode", action="append", choices=("fwd", "fwd+bwd"), help="default both")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--plot", default=None, metavar="DIR", help="also write one PNG per op to DIR (tools/plot.py)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<ops>_<device>_<date>_bench.json, "
                         "on the CPU <ops>_cpu.json; '-' for none)")
     args = parser.parse_args(argv)
@@ -284,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {path}")
+    if args.plot:
+        import plot  # noqa: PLC0415 - a sibling module; matplotlib only when plotting
+
+        for path in plot.write_plots([report], args.plot):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

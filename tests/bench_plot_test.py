@@ -1,0 +1,64 @@
+"""tools/plot.py (one PNG per op from bench JSON) and tools/bench.py's compile time and --plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+# tools/ beside tests/ (in the checkout, and in the Bazel runfiles, which carry bench.py,
+# bench_specs.py and plot.py as data).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import plot  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _result(op, shape, mode, backend, ms, fraction=None):
+    return {"op": op, "shape": shape, "dims": [4, 8], "dtype": "float32", "mode": mode, "backend": backend,
+            "median_ms": ms, "fraction_of_floor": fraction, "speedup_vs_xla": None, "compile_s": 0.5}
+
+
+def _report(results, device="NVIDIA H100 80GB HBM3"):
+    return {"device": device, "platform": "gpu", "results": results}
+
+
+def test_one_png_per_op_with_fraction_when_every_result_has_one(tmp_path):
+    results = [_result("rms_norm", s, m, b, ms, f) for s in ("a 4k", "b 8k") for m in ("fwd", "fwd+bwd")
+               for b, ms, f in (("xla", 2.0, 0.4), ("triton", 1.0, 0.8), ("anchor:jax", 1.5, 0.55))]
+    results.append(_result("cross_entropy", "v 128k", "fwd", "xla", 3.0))
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(_report(results)))
+    plot.main([str(report), "--out", str(tmp_path / "img")])
+    assert sorted(os.listdir(tmp_path / "img")) == ["cross_entropy.png", "rms_norm.png"]
+    for name in os.listdir(tmp_path / "img"):
+        assert (tmp_path / "img" / name).read_bytes()[:8] == PNG
+    rms = [r for r in plot.merged_results([_report(results)]) if r["op"] == "rms_norm"]
+    assert plot.choose_metric(rms, "auto") == "fraction"
+    assert plot.choose_metric(rms[:1] + [_result("rms_norm", "c", "fwd", "xla", 1.0)], "auto") == "ms"
+
+
+def test_later_reports_replace_earlier_rows():
+    old = _report([_result("rope", "s", "fwd", "xla", 9.0)])
+    new = _report([_result("rope", "s", "fwd", "xla", 1.0), _result("rope", "s", "fwd", "triton", 0.5)])
+    merged = plot.merged_results([old, new])
+    assert sorted((r["backend"], r["median_ms"]) for r in merged) == [("triton", 0.5), ("xla", 1.0)]
+
+
+def test_bench_reports_compile_time_and_plots(tmp_path):
+    import bench  # noqa: PLC0415
+
+    out = tmp_path / "bench.json"
+    bench.main(["--op", "rms_norm", "--backend", "xla", "--mode", "fwd", "--calls", "1", "--reps", "1",
+                "--out", str(out), "--plot", str(tmp_path / "img")])
+    report = json.loads(out.read_text())
+    rows = [r for r in report["results"] if r["backend"] == "xla"]
+    assert rows and all(r["compile_s"] is not None and r["compile_s"] > 0 for r in rows)
+    _, columns, table_rows = bench.table(report)
+    assert columns[-1] == "compile s" and all(row[-1] != "-" for row in table_rows if row[4] == "xla")
+    assert (tmp_path / "img" / "rms_norm.png").read_bytes()[:8] == PNG
