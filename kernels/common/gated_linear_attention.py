@@ -1,0 +1,128 @@
+"""Gated linear attention: the call spec and the chunk layout every chunked backend shares.
+
+The chunked backends (XLA's chunked form, Triton) run on a *chunk layout*: arrays
+[R, Tp, N, *] whose length Tp is a multiple of the chunk size C, where every sequence starts
+on a chunk boundary and padded positions hold q = k = v = 0, g = 0 (no contribution, decay 1).
+  * without cu_seqlens: R = B rows, one sequence each, padded at the end to Tp = ceil(T/C) C;
+  * with cu_seqlens (B == 1): R = 1 row, sequence i moved to start at chunk-aligned offset
+    sum_{j<i} ceil(len_j / C) C (Tp a static bound: ceil((T + S (C - 1)) / C) C).
+Two int32 tables say where the recurrent state resets: starts[r, n] = the sequence that begins
+at chunk n of row r (its initial state is loaded there), else -1; ends[r, n] = the sequence
+that ends just before chunk boundary n (its final state is read there), else -1. Empty
+sequences appear in neither (their final state is their initial state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+SUB_CHUNK = 16  # rows of one intra-chunk block: the tl.dot granularity of the chunked kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class GLASpec:
+    """Static options of one call: the output scale, the chunk size of the chunked forms, and
+    whether an initial state is given / a final state returned."""
+
+    scale: float
+    chunk_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the tokens of [B, T] sit in the chunk layout (module docstring)."""
+
+    rows: int
+    padded_length: int
+    chunk: int
+    starts: jax.Array  # [rows, NC] int32
+    ends: jax.Array  # [rows, NC + 1] int32
+    dest: jax.Array | None  # [T] int32 position in the single row (cu_seqlens), else None
+    lengths: jax.Array  # [S] int32 sequence lengths
+
+    @property
+    def chunks(self) -> int:
+        return self.padded_length // self.chunk
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def make_layout(batch: int, length: int, chunk: int, cu_seqlens: jax.Array | None) -> Layout:
+    if cu_seqlens is None:
+        tp = max(_round_up(length, chunk), chunk)
+        nc = tp // chunk
+        rows = jnp.arange(batch, dtype=jnp.int32)
+        starts = jnp.full((batch, nc), -1, jnp.int32).at[:, 0].set(rows)
+        ends = jnp.full((batch, nc + 1), -1, jnp.int32).at[:, -(-length // chunk)].set(rows)
+        return Layout(batch, tp, chunk, starts, ends, None, jnp.full((batch,), length, jnp.int32))
+    cu = cu_seqlens.astype(jnp.int32)
+    seqs = cu.shape[0] - 1
+    tp = max(_round_up(length + seqs * (chunk - 1), chunk), chunk)
+    nc = tp // chunk
+    lengths = cu[1:] - cu[:-1]
+    padded = (lengths + chunk - 1) // chunk * chunk
+    pstart = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded)[:-1]])
+    pos = jnp.arange(length, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, pos, side="right") - 1, 0, seqs - 1)
+    dest = pstart[seq] + pos - cu[seq]
+    ids = jnp.arange(seqs, dtype=jnp.int32)
+    live = lengths > 0
+    # Empty sequences write to a dummy slot past the table, dropped.
+    first = jnp.where(live, pstart // chunk, nc)
+    last = jnp.where(live, (pstart + padded) // chunk, nc + 1)
+    starts = jnp.full((nc + 1,), -1, jnp.int32).at[first].set(ids)[:nc]
+    ends = jnp.full((nc + 2,), -1, jnp.int32).at[last].set(ids)[: nc + 1]
+    return Layout(1, tp, chunk, starts[None], ends[None], dest, lengths)
+
+
+def to_layout(x: jax.Array, layout: Layout) -> jax.Array:
+    """[B, T, ...] -> [rows, Tp, ...], zeros at padded positions."""
+    if layout.dest is None:
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (0, layout.padded_length - x.shape[1])
+        return jnp.pad(x, pad)
+    out = jnp.zeros((1, layout.padded_length) + x.shape[2:], x.dtype)
+    return out.at[0, layout.dest].set(x[0], unique_indices=True)
+
+
+def from_layout(y: jax.Array, layout: Layout, length: int) -> jax.Array:
+    """[rows, Tp, ...] -> [B, T, ...]."""
+    if layout.dest is None:
+        return y[:, :length]
+    return y[0, layout.dest][None]
+
+
+def chunk_cumsum(g: jax.Array, chunk: int) -> jax.Array:
+    """b: the f32 cumulative sum of the log gates within each chunk, [R, Tp, N, K]."""
+    r, tp = g.shape[:2]
+    b = jnp.cumsum(g.astype(jnp.float32).reshape(r, tp // chunk, chunk, *g.shape[2:]), axis=2)
+    return b.reshape(g.shape)
+
+
+def gate_gradient(db: jax.Array, starts: jax.Array, chunk: int) -> jax.Array:
+    """dg from db = d loss / d b (b = the gates' running sum within each sequence): the reverse
+    cumulative sum of db within each sequence of the chunk layout. db: [R, Tp, N, K] f32."""
+    r, tp = db.shape[:2]
+    nc = tp // chunk
+    blocks = db.reshape(r, nc, chunk, *db.shape[2:])
+    within = jnp.flip(jnp.cumsum(jnp.flip(blocks, 2), axis=2), 2)
+    totals = within[:, :, 0]  # [R, NC, N, K]
+    reset = starts >= 0
+
+    # after[n]: the sum over the later chunks of chunk n's sequence (a reverse scan over the
+    # NC = Tp / C chunks that restarts where a chunk starts a sequence).
+    def step(carry, xs):
+        total, starts_here = xs
+        out = carry
+        carry = jnp.where(starts_here, 0.0, carry + total)
+        return carry, out
+
+    _, after = jax.lax.scan(step, jnp.zeros_like(totals[:, 0]),
+                            (jnp.moveaxis(totals, 1, 0), jnp.moveaxis(reset, 1, 0)[..., None, None]), reverse=True)
+    after = jnp.moveaxis(after, 0, 1)
+    return (within + after[:, :, None]).reshape(db.shape)
