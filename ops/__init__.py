@@ -24,7 +24,6 @@ from forgeax.ops.attention import attention
 from forgeax.ops.cross_entropy import cross_entropy
 from forgeax.ops.gated_mlp import gated_mlp
 from forgeax.ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_step, lightning_attention
-from forgeax.ops.gated_linear_attention import gated_linear_attention, gated_linear_attention_step, lightning_attention
 from forgeax.ops.linear_cross_entropy import linear_cross_entropy
 from forgeax.ops.linear_recurrence import linear_recurrence
 from forgeax.ops.mean_pool import mean_pool
@@ -57,13 +56,10 @@ __all__ = [
     "from_zigzag",
     "gated_linear_attention",
     "gated_linear_attention_step",
-    "gated_linear_attention",
-    "gated_linear_attention_step",
     "gated_mlp",
     "interpret_enabled",
     "interpret_mode",
     "layer_norm",
-    "lightning_attention",
     "lightning_attention",
     "linear_cross_entropy",
     "linear_recurrence",
