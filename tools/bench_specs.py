@@ -550,3 +550,57 @@ def _newton_schulz_spec() -> Spec:
 
 
 SPECS["newton_schulz"] = _newton_schulz_spec()
+
+
+def _mla_decode_spec() -> Spec:
+    # dims: (B, context, N, L, R, page): DeepSeek-V3's absorbed MLA decode (128 heads, latent 512 +
+    # rope 64), every request at the full context; page 0 = contiguous cache. Forward only.
+    shapes = (
+        Shape("DeepSeek-V3 B64 ctx8192 N128 L512+64", (64, 8192, 128, 512, 64, 0), "bfloat16"),
+        Shape("DeepSeek-V3 B64 ctx8192 N128 L512+64 page64", (64, 8192, 128, 512, 64, 64), "bfloat16"),
+        Shape("DeepSeek-V3 B4 ctx32768 N128 L512+64", (4, 32768, 128, 512, 64, 0), "bfloat16"),
+        Shape("DeepSeek-V2-Lite B32 ctx4096 N16 L512+64 page16", (32, 4096, 16, 512, 64, 16), "bfloat16"),
+        Shape("small f32", (2, 256, 16, 64, 16, 16), "float32", small=True),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        B, S, N, L, R, page = shape.dims
+        kq, kr, kc, kk, kp = jax.random.split(key, 5)
+        normal = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(shape.dtype)  # noqa: E731
+        lengths = jnp.full((B,), S, jnp.int32)
+        cache, table = (B, S), None
+        if page:
+            pages = B * S // page
+            cache = (pages, page)
+            table = jax.random.permutation(kp, pages).astype(jnp.int32).reshape(B, S // page)  # shuffled pages
+        return (normal(kq, (B, N, L)), normal(kr, (B, N, R)), normal(kc, cache + (L,)), normal(kk, cache + (R,)),
+                lengths, table, None)
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        if mode != "fwd":
+            raise UnsupportedError("mla_decode is forward only (decoding is inference)")
+        # Extra settings ('triton:block_h=64:num_splits=2') are fields of the backend's config.
+        fields = dict(options)
+
+        def run(ql, qr, kv, kr, lengths, table, ct):
+            config = None
+            if fields:
+                from forgeax.kernels.common.paged import PagedSpec  # noqa: PLC0415
+
+                impl = ops.OPS["mla_decode"].implementation(backend)
+                config = impl.heuristic_config(ql, qr, kv, kr, lengths, table, spec=PagedSpec()).replace(**fields)
+            return ops.mla_decode(ql, qr, kv, kr, lengths, page_table=table, backend=backend, config=config)
+
+        return jax.jit(run)
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        B, S, N, L, R, _ = shape.dims
+        # The latent cache and rope keys read once (the floor: B*S*(L+R) elements), q read, out written;
+        # flops of q.kv + q_rope.k_rope and P kv.
+        nbytes = (B * S * (L + R) + B * N * (2 * L + R)) * jnp.dtype(shape.dtype).itemsize
+        return nbytes, 2.0 * B * N * S * (2 * L + R)
+
+    return Spec("mla_decode", shapes, make_inputs, build, floor, precheck=False)
+
+
+SPECS["mla_decode"] = _mla_decode_spec()
