@@ -141,3 +141,31 @@ def test_triton_call_refuses_a_vmap_its_kernel_cannot_take():
         jax.vmap(call)(jnp.ones((2, 8)))
     with pytest.raises(ValueError, match="set by vmap"):
         forgeax.triton_call(jnp.ones(8), kernel=half_aware, out_shape=jnp.ones(8), grid=(1,), N=8, y_ptr_batch_stride=1)
+
+
+@needs_triton
+def test_softcap_autotunes_with_the_library_machinery():
+    """forgeax.autotune times the user op's candidate_configs; the tuning then selects them."""
+    x = conformance.random_array(jax.random.key(5), (4, 300), jnp.float32, scale=10.0)
+    fn = lambda a: softcap(a, 5.0)  # noqa: E731
+    tuning = forgeax.autotune(fn, x, backends=["triton"], max_configs=2, rounds=1, calls=1, workers=1, progress=False)
+    with tuning:
+        text = str(forgeax.explain(fn, x))
+        np.testing.assert_allclose(jax.jit(fn)(x), reference.softcap(x, cap=5.0), rtol=1e-5, atol=1e-6)
+    assert "-> triton" in text and "tuning" in text, text
+
+
+@pytest.mark.skipif("xla" not in BACKENDS, reason="times the XLA backend (runs in the XLA suite)")
+def test_softcap_benchmarks_with_the_bench_tool(tmp_path):
+    """examples/custom_kernel/run_bench.py: the user op in tools/bench.py (small shape, few rounds)."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from forgeax.examples.custom_kernel import run_bench
+
+    out = tmp_path / "softcap.json"
+    run_bench.main(["--backend", "xla", "--mode", "fwd", "--calls", "1", "--reps", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["op"], r["backend"], r["mode"]) for r in rows] == [("softcap", "xla", "fwd")]
+    assert rows[0]["median_ms"] > 0 and rows[0]["compile_s"] > 0
