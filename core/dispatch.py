@@ -2,11 +2,11 @@
 
 An `Op` is one public function's contract: a name, its backends (`Implementation`s or
 lazily imported "module:ATTR" references), a `Selection` (priority + rules, as data) and a
-`features` function that describes a call to the rules. `backend=None` takes the backend of
-a tuning entry for the call (`core/tuning.py`: the active `Tuning`, then shipped ones) when one
-accepts it, else, in this order, the backends of the first "all" rule that fires, the platform
-priority, then `xla`, and runs the first whose `supports(...)` accepts the call; a "forward_only" rule that fires picks the
-forward of a call that is not differentiated (`_split`). `backend="<name>"` runs that backend or
+`features` function that describes a call to the rules. `backend=None` runs the backend of the
+first tuning entry for the call that accepts it (`core/tuning.py`: the active `Tuning`, then
+shipped ones); else it takes, in this order, the backends of the first "all" rule that fires,
+the platform priority, then `xla`, and runs the first whose `supports(...)` accepts the call; a
+"forward_only" rule that fires picks the forward of a call that is not differentiated (`_split`). `backend="<name>"` runs that backend or
 raises `UnsupportedError`; "pallas" means the Pallas variant of this platform.
 
 The only mutable state is the registry (`OPS`), each op's cache of loaded implementations and

@@ -95,9 +95,10 @@ class Call:
 
 
 def watch_gradient(args: Sequence[Any], on_gradient: Callable[[], None]) -> tuple[Any, ...]:
-    """`args` passed through an identity whose `custom_vjp` forward rule calls `on_gradient`:
-    it runs when the call is differentiated, also inside a nested `jax.jit` or `jax.checkpoint`,
-    where the arguments are no autodiff tracers. Used only while `autotune` traces."""
+    """`args` passed through an identity whose `custom_jvp` rule calls `on_gradient`: it runs
+    when the call is differentiated (jax.grad and vjp linearize through it), also inside a
+    nested `jax.jit` or `jax.checkpoint`, where the arguments are no autodiff tracers. Used only
+    while `autotune` traces."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -105,15 +106,15 @@ def watch_gradient(args: Sequence[Any], on_gradient: Callable[[], None]) -> tupl
     if not positions:
         return tuple(args)
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def identity(*xs):
         return xs
 
-    def forward(*xs):
+    @identity.defjvp
+    def _(primals, tangents):
         on_gradient()
-        return xs, None
+        return primals, tangents
 
-    identity.defvjp(forward, lambda _, cotangents: cotangents)
     watched = list(args)
     for i, a in zip(positions, identity(*(args[i] for i in positions))):
         watched[i] = a
