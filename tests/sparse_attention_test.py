@@ -24,6 +24,9 @@ BACKENDS = [b for b in conformance.runnable_backends("sparse_attention") if b !=
 ALL_BACKENDS = conformance.runnable_backends("sparse_attention")
 _ON_GPU = jax.default_backend() == "gpu"
 # The Triton interpreter's target re-exports this file: the reference-only tests run in the other.
+# The Mosaic TPU interpreter pays per grid step (one per selected block and head): on CPU it runs
+# one conformance case, the empty rows and the lse gradient.
+_SLOW_INTERPRETER = {"pallas_tpu"} if interface.current_platform() == "cpu" else set()
 _reference_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs in sparse_attention_test")
 
 
@@ -81,12 +84,16 @@ if _ON_GPU:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_reference(backend, case):
     *shape, dtype, options = case
+    if backend in _SLOW_INTERPRETER and shape[1] != 63:
+        pytest.skip("interpreter time: the Mosaic TPU interpreter runs the T != S case (GQA, causal, f16)")
     conformance.assert_conforms(_case(*shape, dtype, seed=sum(shape), **options), backend)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_every_block_selected_equals_dense_attention(backend, causal):
+    if backend in _SLOW_INTERPRETER:
+        pytest.skip("interpreter time: implied by test_matches_reference and the reference's own check here")
     B, T, N, K, H, bs = 1, 40, 4, 2, 16, 16
     q, k, v = _qkv(B, T, T, N, K, H, jnp.float32, 7)
     nq = -(-T // bs)
