@@ -208,7 +208,7 @@ class Op:
         `impl.resolve_config` (tuned data file, heuristic)."""
         for label, entry in tuned if explicit is None else ():
             if entry.backend == name and entry.config is not None and (cfg := _entry_config(impl, entry)) is not None:
-                return cfg, f"{label}: {entry}"
+                return cfg, label
         return impl.resolve_config(args, kwargs, explicit, device_kind)
 
     def _choose_tuned(self, tuned, platform: str, args, kwargs, device_kind: str) -> tuple[Choice | None, list[tuple[str, str]]]:
@@ -221,7 +221,7 @@ class Op:
             reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
             cfg = _entry_config(impl, entry) if reason is None and entry.config is not None else None
             if reason is None and (entry.config is None or cfg is not None):
-                cfg, source = (cfg, f"{label}: {entry}") if cfg is not None else impl.resolve_config(args, kwargs, None, device_kind)
+                cfg, source = (cfg, label) if cfg is not None else impl.resolve_config(args, kwargs, None, device_kind)
                 return Choice(entry.backend, impl, cfg, source, None, tuple(skipped), tuning=f"{label}: {entry}"), skipped
             skipped.append((entry.backend, f"{reason or 'its config no longer fits'} (refused the {label} entry)"))
         return None, skipped

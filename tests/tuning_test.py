@@ -73,7 +73,7 @@ def test_active_tuning_sets_backend_and_config_and_explain_names_the_entry(probe
         assert float(probe(x, config=ScaleConfig(scale=7))[0, 0]) == 7.0  # explicit config wins
         assert float(probe(x, backend="xla")[0, 0]) == 2.0  # explicit backend wins
     decision = report.decisions[0]
-    assert decision.backend == "kern" and "ScaleConfig(scale=5)" in decision.config
+    assert decision.backend == "kern" and decision.config == "ScaleConfig(scale=5) [active tuning]"
     assert decision.rule.startswith("active tuning: tuning entry tuning_probe[float32[4,6]]")
     assert ("xla", "could run this call") in decision.alternatives
     assert float(probe(x)[0, 0]) == 3.0  # the block ended
@@ -170,3 +170,21 @@ def test_shipped_tunings_load_when_present():
     shipped = tuning.shipped()
     assert isinstance(shipped, Tuning)
     assert all(e.device and e.op in core.OPS for e in shipped.entries)
+
+
+def test_a_tuning_from_bench_results_orders_backends_by_time_for_the_calls_signature(tmp_path):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import autotune as tool  # tools/autotune.py
+
+    rows = [{"op": "rms_norm", "shape": "small f32", "mode": mode, "backend": backend, "median_ms": ms}
+            for mode, backend, ms in [("fwd", "xla", 0.2), ("fwd", "triton", 0.1), ("fwd+bwd", "xla", 0.5),
+                                      ("fwd+bwd", "triton", 0.7), ("fwd+bwd", "anchor:jax", 0.1)]]
+    (tmp_path / "bench.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "results": rows}))
+    made = tool.tuning_from_bench([str(tmp_path / "bench.json")], device="NVIDIA H100")
+    x, scale = jnp.zeros((4096, 1024)), jnp.zeros((1024,))
+    (call,) = autotuning.find_calls(lambda x: ops.rms_norm(x, scale), x)
+    entries = made.lookup("NVIDIA H100 80GB HBM3", "rms_norm", call.key)
+    assert [(e.backend, e.timed) for e in entries] == [("xla", "fwd+bwd"), ("triton", "fwd+bwd")]  # fwd+bwd wins
