@@ -90,7 +90,7 @@ def _slot(cols_ref, counts_ref, b, h, i, w, *, K, nq, W):
 def _fwd_kernel(cols_ref, counts_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *, spec, T, S, K, G,
                 nq, W):
     b, n, i, w = (pl.program_id(a) for a in range(4))
-    h = n // G
+    h = lax.div(n, G)
 
     @pl.when(w == 0)
     def _():
@@ -124,7 +124,7 @@ def _fwd_kernel(cols_ref, counts_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref
 def _dq_kernel(cols_ref, counts_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref, acc_ref, *, spec, T, S, K,
                G, nq, W):
     b, n, i, w = (pl.program_id(a) for a in range(4))
-    h = n // G
+    h = lax.div(n, G)
 
     @pl.when(w == 0)
     def _():
@@ -229,7 +229,7 @@ def _row_specs(bs, G, K, nq, W):
     row = lambda width: pl.BlockSpec((None, None, bs, width), lambda b, n, i, w, c, cnt: (b, n, i, 0))  # noqa: E731
     key = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bs, width),
-        lambda b, n, i, w, c, cnt: (b, n // G, _slot(c, cnt, b, n // G, i, w, K=K, nq=nq, W=W), 0))
+        lambda b, n, i, w, c, cnt: (b, lax.div(n, G), _slot(c, cnt, b, lax.div(n, G), i, w, K=K, nq=nq, W=W), 0))
     return row, key
 
 

@@ -1,0 +1,98 @@
+"""Cross-lowering of the sparse_attention kernels on CPU: Triton for sm_90, Mosaic TPU.
+
+`jax.jit(f).trace(...).lower(lowering_platforms=(...))` runs each kernel's whole Python-side
+compilation (Triton to PTX, Mosaic TPU dialect lowering) without the hardware; numerics are the
+conformance suites' job.
+
+Run: JAX_PLATFORMS=cpu pytest tests/lowering_sparse_attention_test.py   (WITHOUT TRITON_INTERPRET)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import conformance
+from forgeax.kernels.common.sparse_attention import SparseAttentionSpec
+
+_needs_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on"),
+                                   reason="cross-lowering needs compiled Triton kernels: unset TRITON_INTERPRET")
+
+# (B, T, N, K, H, block_size, W, dtype, causal, cap): the benchmark shape (Llama-3 GQA at 32k, 1/8
+# of the causal blocks), then odd lengths, head dims and dtypes.
+CASES = [
+    (1, 32768, 32, 8, 128, 64, 64, jnp.bfloat16, True, None),
+    (2, 1000, 8, 2, 96, 32, 5, jnp.float32, True, 20.0),
+    (1, 77, 4, 4, 64, 16, 3, jnp.float16, False, None),
+    (1, 300, 16, 1, 128, 128, 2, jnp.bfloat16, True, None),
+]
+
+
+def _args(B, T, N, K, H, bs, W, dtype):
+    return (jax.ShapeDtypeStruct((B, T, N, H), dtype), jax.ShapeDtypeStruct((B, T, K, H), dtype),
+            jax.ShapeDtypeStruct((B, T, K, H), dtype), jax.ShapeDtypeStruct((B, K, -(-T // bs), W), jnp.int32))
+
+
+def _forward_and_fwd_bwd(impl, spec, config):
+    def forward(q, k, v, idx):
+        return impl.fn(q, k, v, idx, spec=spec, config=config)[0]
+
+    def fwd_bwd(q, k, v, idx, ct):
+        out, pullback = jax.vjp(lambda *a: forward(*a, idx), q, k, v)
+        return out, pullback(ct)
+
+    return forward, fwd_bwd
+
+
+def _lowered_counts(module, case, platform, custom_call, config=None):
+    B, T, N, K, H, bs, W, dtype, causal, cap = case
+    impl = module.SPARSE_ATTENTION
+    spec = SparseAttentionSpec(block_size=bs, causal=causal, scale=1 / math.sqrt(H), logit_soft_cap=cap)
+    args = _args(B, T, N, K, H, bs, W, dtype)
+    config = config or impl.heuristic_config(*args, spec=spec)
+    forward, fwd_bwd = _forward_and_fwd_bwd(impl, spec, config)
+    ct = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+    return (conformance.lowered_text(forward, *args, platform=platform).count(custom_call),
+            conformance.lowered_text(fwd_bwd, *args, ct, platform=platform).count(custom_call))
+
+
+@_needs_triton
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_triton_forward_and_backward_lower_for_sm90(case):
+    from forgeax.kernels.triton import sparse_attention as module
+
+    # forward; forward + dQ + dK/dV
+    assert _lowered_counts(module, case, "cuda", "triton_kernel_call") == (1, 3)
+
+
+@_needs_triton
+def test_triton_candidate_configs_lower():
+    from forgeax.kernels.triton import sparse_attention as module
+
+    case = CASES[0]
+    B, T, N, K, H, bs, W, dtype, causal, cap = case
+    spec = SparseAttentionSpec(block_size=bs, causal=causal, scale=1 / math.sqrt(H))
+    configs = module.candidate_configs(*_args(B, T, N, K, H, bs, W, dtype), spec=spec)
+    for config in configs[1:5]:  # heads halved and doubled in each half (the register-heavy ones)
+        assert _lowered_counts(module, case, "cuda", "triton_kernel_call", config) == (1, 3), config
+
+
+TPU_CASES = [
+    (1, 4096, 8, 2, 128, 64, 8, jnp.bfloat16, True, None),
+    (2, 200, 4, 4, 64, 16, 3, jnp.float32, False, 30.0),
+    (1, 77, 4, 1, 128, 32, 2, jnp.float16, True, None),
+]
+
+
+@pytest.mark.parametrize("case", TPU_CASES, ids=str)
+def test_pallas_tpu_forward_and_backward_lower_for_tpu(case):
+    from forgeax.kernels.pallas.tpu import sparse_attention as module
+
+    # forward; forward + dQ + dK/dV
+    assert _lowered_counts(module, case, "tpu", "tpu_custom_call") == (1, 3)
