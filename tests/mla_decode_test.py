@@ -34,6 +34,7 @@ CASES = [
     (2, 6, 64, 16, 40, (40, 9), 8, "bf16"),
     (1, 4, 512, 64, 20, (19,), None, "bf16"),
     (2, 3, 64, 16, 30, (30, 5), None, "f16"),
+    (2, 20, 64, 16, 33, (7, 33), 16, "f32"),  # two Triton head tiles, the second partial
 ]
 if ON_GPU:  # DeepSeek-V3's heads and latent, long contexts, both page sizes
     CASES += [
@@ -160,6 +161,16 @@ def test_triton_splits_merge_to_the_reference(splits, block_n):
     args = _inputs(CASES[2], seed=13)
     config = MlaDecodeTritonConfig(block_h=16, block_n=block_n, num_splits=splits)
     got = _public(*args, backend="triton", config=config)
+    assert conformance.relative_error(got, _reference(*args)) < 1e-5
+
+
+@pytest.mark.skipif("pallas_tpu" not in BACKENDS, reason="the Mosaic TPU backend does not run here")
+def test_pallas_tpu_head_tiles_and_key_blocks():
+    from forgeax.kernels.pallas.tpu.mla_decode import MlaDecodeTpuConfig  # noqa: PLC0415
+
+    case = (2, 32, 64, 16, 70, (70, 31), None, "f32")
+    args = _inputs(case, seed=17)
+    got = _public(*args, backend="pallas_tpu", config=MlaDecodeTpuConfig(block_h=16, block_n=32))
     assert conformance.relative_error(got, _reference(*args)) < 1e-5
 
 

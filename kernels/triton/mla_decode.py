@@ -126,17 +126,20 @@ def _keys(kv_latent, page_table) -> int:
 
 
 def heuristic_config(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *, spec) -> MlaDecodeTritonConfig:
-    """Head tiles of up to 32 (a [32, 512] f32 accumulator is 64 registers a thread at 8 warps),
-    32-key tiles at L = 512 (a 32 KB bf16 latent tile, double-buffered); enough splits that the
-    grid covers the SMs (one split at B 64, N 128), each split at least 256 keys."""
+    """64-head tiles where N allows (M = 64 is what Hopper's wgmma takes; at L = 512, 32-key
+    tiles, 8 warps and 2 stages ptxas reports 236 registers and no spills for sm_90a), else N
+    rounded up to 16..32; 32-key tiles at L >= 256 (a 32 KB bf16 latent tile). Splits so that the
+    grid covers the SMs about once (1 at B 64, N 128: 128 programs; the f32 partials of a merge,
+    written and read back, would add 11% to the cache bytes there), each split at least 256 keys."""
     del q_rope, k_rope, lengths, spec
     B, N, L = q_latent.shape
-    block_h = min(32, max(16, _pow2_at_least(N)))
+    block_h = 64 if N >= 64 else min(32, max(16, _pow2_at_least(N)))
     keys = _keys(kv_latent, page_table)
     if interpret_enabled():
-        return MlaDecodeTritonConfig(block_h=block_h, block_n=16, num_splits=2 if keys > 16 else 1)
+        return MlaDecodeTritonConfig(block_h=min(block_h, 16), block_n=16, num_splits=2 if keys > 16 else 1)
     tiles = -(-N // block_h)
-    splits = max(1, min(-(-gpu_sm_count() // (B * tiles)), keys // 256, 64))
+    programs = B * tiles
+    splits = max(1, min((gpu_sm_count() + programs // 2) // programs, keys // 256, 64))
     block_n = 32 if L >= 256 else 64
     return MlaDecodeTritonConfig(block_h=block_h, block_n=block_n, num_splits=splits,
                                  num_warps=8 if block_h >= 32 else 4, num_stages=2)
