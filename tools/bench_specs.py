@@ -552,6 +552,86 @@ def _newton_schulz_spec() -> Spec:
 SPECS["newton_schulz"] = _newton_schulz_spec()
 
 
+def _decode_spec(op_name: str) -> Spec:
+    # dims: (B, context, N, KV, H, page); every request at the full context. Forward only.
+    paged = op_name == "paged_attention"
+    shapes = (
+        Shape("decode B64 ctx8192 N32 KV8 H128 page16", (64, 8192, 32, 8, 128, 16), "bfloat16"),
+        Shape("decode B8 ctx32768 N32 KV8 H128 page16", (8, 32768, 32, 8, 128, 16), "bfloat16"),
+        Shape("decode B128 ctx2048 N32 KV8 H128 page16", (128, 2048, 32, 8, 128, 16), "bfloat16"),
+        Shape("small f32", (2, 256, 8, 2, 64, 16), "float32", small=True),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        B, S, N, KV, H, page = shape.dims
+        kq, kk, kv, kp = jax.random.split(key, 4)
+        normal = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(shape.dtype)  # noqa: E731
+        q = normal(kq, (B, N, H))
+        lengths = jnp.full((B,), S, jnp.int32)
+        if not paged:
+            return q, normal(kk, (B, S, KV, H)), normal(kv, (B, S, KV, H)), lengths, None
+        pages = B * S // page
+        k_pages, v_pages = normal(kk, (pages, page, KV, H)), normal(kv, (pages, page, KV, H))
+        table = jax.random.permutation(kp, pages).astype(jnp.int32).reshape(B, S // page)  # shuffled pages
+        return q, k_pages, v_pages, lengths, table, None
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        if mode != "fwd":
+            raise UnsupportedError(f"{op_name} is forward only (decoding is inference)")
+        public = ops.paged_attention if paged else ops.decode_attention
+        # Extra settings ('triton:block_k=32:num_splits=4') are fields of the backend's config.
+        fields = dict(options)
+        if not fields:
+            return jax.jit(lambda *a: public(*a[:-1], backend=backend))
+        impl = ops.OPS[op_name].implementation(backend)
+
+        def run(*a):
+            from forgeax.kernels.common.paged import PagedSpec  # noqa: PLC0415
+
+            spec = PagedSpec(scale=a[0].shape[-1] ** -0.5)
+            config = impl.heuristic_config(*a[:-1], spec=spec).replace(**fields)
+            return public(*a[:-1], backend=backend, config=config)
+
+        return jax.jit(run)
+
+    def floor(shape: Shape, mode: str) -> tuple[float, float]:
+        B, S, N, KV, H, _ = shape.dims
+        # K and V read once (the floor), q read and out written; QK^T and PV flops.
+        nbytes = (2 * B * S * KV * H + 2 * B * N * H) * jnp.dtype(shape.dtype).itemsize
+        return nbytes, 4.0 * B * N * S * H
+
+    def jax_pallas_gpu(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        # jax.experimental.pallas.ops.gpu.paged_attention (Pallas on Triton): pages [KV, P, page, H]
+        # (heads first; the layout change is made once, outside the timed call) and no 1/sqrt(H)
+        # scale (irrelevant to its time).
+        if mode != "fwd" or not paged:
+            raise UnsupportedError("the Pallas GPU paged_attention anchor is a paged forward")
+        try:
+            from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged  # noqa: PLC0415
+        except ImportError as e:
+            raise UnsupportedError(f"jax.experimental.pallas.ops.gpu.paged_attention: {e}") from None
+        heads_first = jax.jit(lambda p: jnp.moveaxis(p, 2, 0))
+        cache: dict[int, Any] = {}
+
+        def run(q, k_pages, v_pages, lengths, table, ct):
+            # The transposed pages are made once per input array (outside the timed calls).
+            key = id(k_pages)
+            if key not in cache:
+                cache[key] = (heads_first(k_pages), heads_first(v_pages))
+            kh, vh = cache[key]
+            return timed(q, kh, vh, table, lengths)
+
+        timed = jax.jit(lambda q, k, v, t, l: jax_paged.paged_attention(q, k, v, t, l))
+        return run
+
+    anchors = {"jax_pallas_gpu_paged": jax_pallas_gpu} if paged else {}
+    return Spec(op_name, shapes, make_inputs, build, floor, anchors=anchors, precheck=False)
+
+
+SPECS["paged_attention"] = _decode_spec("paged_attention")
+SPECS["decode_attention"] = _decode_spec("decode_attention")
+
+
 def _mla_decode_spec() -> Spec:
     # dims: (B, context, N, L, R, page): DeepSeek-V3's absorbed MLA decode (128 heads, latent 512 +
     # rope 64), every request at the full context; page 0 = contiguous cache. Forward only.
