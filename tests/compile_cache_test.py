@@ -1,12 +1,13 @@
 """forgeax's calls work with JAX's persistent compilation cache: a second process compiles nothing.
 
 Each check runs the same script twice in fresh processes sharing a cache directory and counts
-XLA backend compiles (JAX's monitoring events). On CPU: ops on their XLA backends (forward and
-gradient), and a Pallas kernel in the Mosaic TPU interpreter (plain HLO). Triton: jax-triton
-compiles each kernel to PTX while JAX lowers, before JAX's cache is consulted; forgeax's TTIR -> PTX disk cache
-(kernels/triton/compile_cache.py) makes a second process compile no kernel: checked by
-cross-lowering for cuda here. On a GPU, `test_gpu_attention_is_ready_fast_from_a_warm_cache`
-times a causal attention forward+backward (pallas_gpu and triton) in a cold and a warm process.
+XLA compiles (JAX's monitoring events). On CPU: ops on their XLA backends (forward and
+gradient), and a Pallas kernel in the Mosaic TPU interpreter (a host callback, cached as well).
+Triton: jax-triton compiles each kernel to PTX while JAX lowers, before JAX's cache is
+consulted; forgeax's TTIR -> PTX disk cache (kernels/triton/compile_cache.py) makes a second
+process compile no kernel: checked by cross-lowering for cuda here. On a GPU,
+`test_gpu_attention_is_ready_fast_from_a_warm_cache` times a causal attention forward+backward
+(pallas_gpu and triton) in a cold and a warm process.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def test_xla_backends_second_process_compiles_nothing(tmp_path):
 
 
 def test_pallas_tpu_interpreter_second_process_compiles_nothing(tmp_path):
-    """The Mosaic TPU interpreter lowers to plain HLO (no host callback): cached like XLA."""
+    """The interpreter runs behind a pure_callback; JAX persists such executables too."""
     first = _run(_PALLAS_INTERPRET_BODY, str(tmp_path), FORGEAX_INTERPRET="1")
     assert first["compiled"] >= 1, first
     second = _run(_PALLAS_INTERPRET_BODY, str(tmp_path), FORGEAX_INTERPRET="1")
