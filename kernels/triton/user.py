@@ -4,8 +4,8 @@ jax-triton's calling convention (the kernel gets the positional `args` in order,
 pointers and scalars as values, then one output pointer per leaf of `out_shape`, then
 `**metaparams` as constexprs by name; `grid` is a tuple or `grid(metaparams) -> tuple`), plus:
 
-  * vmap. A kernel that declares a constexpr `<param>_batch_stride` (default 0) for its pointer
-    parameters is batch-aware: under `jax.vmap` it is launched once, with the batch as one more
+  * vmap. A kernel that declares a constexpr `<param>_batch_stride` for its pointer parameters
+    (forgeax passes them on every launch) is batch-aware: under `jax.vmap` it is launched once, with the batch as one more
     grid axis after its own (`tl.program_id(len(grid))`, 0 when not vmapped), and forgeax passes
     each pointer's per-example stride in elements (0 for an operand that is not batched). The
     kernel adds `pid * <param>_batch_stride` to each pointer. Batched operands and outputs are
