@@ -159,7 +159,8 @@ def tune_calls(calls: Sequence[Call], *, backends: Sequence[str] | None = None, 
     report: list[dict[str, Any]] = []
     for call in calls:
         if call.backend is not None and call.config is not None:
-            report.append({"op": call.op, "key": call.key, "backend": call.backend, "refused": "backend and config given: nothing to tune"})
+            report.append({"op": call.op, "key": call.key, "backend": call.backend,
+                           "refused": "backend and config given: nothing to tune"})
             continue
         op = dispatch.OPS[call.op]
         found, refused = candidates(op, call, backends, max_configs)
@@ -167,21 +168,27 @@ def tune_calls(calls: Sequence[Call], *, backends: Sequence[str] | None = None, 
         plans.append((op, call, found))
     advance, close = _progress(sum(len(f) for _, _, f in plans), progress)
     entries: list[TuningEntry] = []
-    with _unrecorded(), concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, workers))
+    with _unrecorded():
         try:
             for op, call, found in plans:
-                args = inputs(call) if inputs is not None else random_inputs(call, given)
-                results = _time_call(op, call, found, args, pool, rounds, calls_per_round, timeout_s, advance, report)
-                entries += sorted((TuningEntry(device_kind, call.op, call.key, b, c.to_dict() if c is not None else None, s,
-                                               "fwd+bwd" if call.differentiated else "fwd")
+                try:
+                    args = inputs(call) if inputs is not None else random_inputs(call, given)
+                    results = _time_call(op, call, found, args, pool, rounds, calls_per_round, timeout_s, advance, report)
+                except Exception as e:  # noqa: BLE001 - one call's failure leaves the others' results
+                    report.append({"op": call.op, "key": call.key, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    continue
+                mode = "fwd+bwd" if call.differentiated else "fwd"
+                entries += sorted((TuningEntry(device_kind, call.op, call.key, b, c.to_dict() if c is not None else None, s, mode)
                                    for (b, c), s in results.items()), key=lambda e: e.seconds)
         finally:
             close()
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)  # a compile past its timeout is left behind
     return Tuning(entries, report=report)
 
 
-def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeout_s, advance, report) -> dict[tuple[str, Any], float]:
+def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeout_s, advance,
+               report) -> dict[tuple[str, Any], float]:
     """{(backend, config): median seconds} of each backend's fastest config for one call."""
     mode = "fwd+bwd" if call.differentiated else "fwd"
 
@@ -189,8 +196,10 @@ def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeo
         report.append({"op": call.op, "key": call.key, "backend": backend, "config": config.to_dict() if config else None,
                        "timed": mode, "error": error})
 
-    compiling = {cand: pool.submit(contextvars.copy_context().run, lambda c=cand: jax.jit(_build(op, call, *c)).lower(*args).compile())
-                 for cand in found}
+    def compile_one(candidate):
+        return jax.jit(_build(op, call, *candidate)).lower(*args).compile()
+
+    compiling = {cand: pool.submit(contextvars.copy_context().run, compile_one, cand) for cand in found}
     ready = {}
     for (backend, config), future in compiling.items():
         advance(f"{call.op} {backend}")

@@ -6,8 +6,9 @@ lazily imported "module:ATTR" references), a `Selection` (priority + rules, as d
 first tuning entry for the call that accepts it (`core/tuning.py`: the active `Tuning`, then
 shipped ones); else it takes, in this order, the backends of the first "all" rule that fires,
 the platform priority, then `xla`, and runs the first whose `supports(...)` accepts the call; a
-"forward_only" rule that fires picks the forward of a call that is not differentiated (`_split`). `backend="<name>"` runs that backend or
-raises `UnsupportedError`; "pallas" means the Pallas variant of this platform.
+"forward_only" rule that fires picks the forward of a call that is not differentiated (`_split`).
+`backend="<name>"` runs that backend or raises `UnsupportedError`; "pallas" means the Pallas
+variant of this platform.
 
 The only mutable state is the registry (`OPS`), each op's cache of loaded implementations and
 the recorders `explain` and `autotune` install for one trace.
@@ -194,7 +195,8 @@ class Op:
         detail = "; ".join(f"{n}: {r}" for n, r in skipped)
         raise UnsupportedError(f"{self.name}: no backend among {list(seen)} can run this call on {platform}: {detail}")
 
-    def tuned(self, args: Sequence[Any], kwargs: Mapping[str, Any], device_kind: str) -> tuple[tuple[str, tuning.TuningEntry], ...]:
+    def tuned(self, args: Sequence[Any], kwargs: Mapping[str, Any],
+              device_kind: str) -> tuple[tuple[str, tuning.TuningEntry], ...]:
         """(source, entry) of every tuning entry for this call, in the order they are consulted."""
         sources = tuning.sources()
         if not sources:
@@ -217,7 +219,8 @@ class Op:
         for label, entry in tuned:
             if entry.backend in (n for n, _ in skipped):
                 continue
-            impl = self.implementation(entry.backend) if entry.backend in self._refs else f"{entry.backend} is not registered for {self.name}"
+            impl = (self.implementation(entry.backend) if entry.backend in self._refs
+                    else f"{entry.backend} is not registered for {self.name}")
             reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
             cfg = _entry_config(impl, entry) if reason is None and entry.config is not None else None
             if reason is None and (entry.config is None or cfg is not None):
@@ -293,7 +296,11 @@ class Op:
         if calls is not None:
             calls.append(tuning.Call.of(self.name, args, kwargs, backend, config))
             index = len(calls) - 1
-            args = tuning.watch_gradient(args, lambda: calls.__setitem__(index, dataclasses.replace(calls[index], differentiated=True)))
+
+            def differentiated() -> None:
+                calls[index] = dataclasses.replace(calls[index], differentiated=True)
+
+            args = tuning.watch_gradient(args, differentiated)
         choice = self.choose(args, kwargs, backend, config)
         recorder = _RECORDER.get()
         if recorder is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,8 @@ class ScaleConfig(forgeax.KernelConfig):
 def _scaled(x, *, config):
     if config.scale == 13:
         raise RuntimeError("13 does not compile")
+    if config.scale == 14:
+        time.sleep(6)  # a compile that runs past autotune's timeout
     return x * config.scale
 
 
@@ -33,7 +36,7 @@ def probe():
     with): `xla` doubles, `kern` multiplies by its config's scale and refuses odd widths."""
     kern = forgeax.Implementation(
         fn=_scaled, platforms=set(core.PLATFORMS), config_type=ScaleConfig,
-        heuristic_config=lambda x: ScaleConfig(), candidate_configs=lambda x: [ScaleConfig(scale=s) for s in (3, 4, 13)],
+        heuristic_config=lambda x: ScaleConfig(), candidate_configs=lambda x: [ScaleConfig(scale=s) for s in (3, 4, 13) + ((14,) if x.shape[0] == 3 else ())],
         supports=lambda x: None if x.shape[-1] % 2 == 0 else "odd widths are not handled")
     op = forgeax.define_op("tuning_probe", {"xla": forgeax.Implementation(fn=lambda x: 2 * x), "kern": kern},
                            priority={p: ("kern",) for p in core.PLATFORMS})
@@ -131,15 +134,15 @@ def test_autotune_finds_calls_inside_grad_times_them_and_round_trips(probe):
     assert [c.differentiated for c in autotuning.find_calls(loss, x)] == [False, False]
     assert [c.differentiated for c in autotuning.find_calls(jax.grad(jax.checkpoint(jax.jit(loss))), x)] == [True, True]
     assert [c.differentiated for c in autotuning.find_calls(loss, x, grad=True)] == [True, True]
-    tuned = forgeax.autotune(jax.grad(loss), x, rounds=1, calls=1, progress=False)
+    tuned = forgeax.autotune(jax.grad(loss), x, rounds=1, calls=1, progress=False, timeout_s=3)
     probe_entries = tuned.lookup(core.current_device_kind(), "tuning_probe", tuning.signature((x,), {}))
     assert {e.backend for e in probe_entries} == {"xla", "kern"}
     assert all(e.timed == "fwd+bwd" and e.seconds > 0 for e in probe_entries)
     assert [e.seconds for e in probe_entries] == sorted(e.seconds for e in probe_entries)
     assert any(e.op == "rms_norm" and e.backend == "xla" for e in tuned.entries)
     failed = [r for r in tuned.report if "error" in r and r["op"] == "tuning_probe"]
-    assert [(r["backend"], r["config"]) for r in failed] == [("kern", {"scale": 13})]  # recorded, skipped
-    assert "13 does not compile" in failed[0]["error"]
+    assert [(r["backend"], r["config"]) for r in failed] == [("kern", {"scale": 13}), ("kern", {"scale": 14})]
+    assert "13 does not compile" in failed[0]["error"] and "TimeoutError" in failed[1]["error"]  # recorded, skipped
     assert Tuning.loads(tuned.dumps()) == tuned
     with tuned:
         decision = forgeax.explain(jax.grad(loss), x).decisions[0]
