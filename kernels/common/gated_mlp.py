@@ -101,7 +101,7 @@ def split_weights(w_gate: jax.Array, w_up: jax.Array | None) -> tuple[jax.Array,
     return w_gate, w_up
 
 
-def _precision(dtype) -> jax.lax.Precision:
+def matmul_precision(dtype) -> jax.lax.Precision:
     # f32 inputs get true f32 products (no TF32 on GPUs); narrower inputs the MXU/tensor-core default.
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
@@ -109,7 +109,7 @@ def _precision(dtype) -> jax.lax.Precision:
 def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None) -> jax.Array:
     """a @ b (either side transposed) with f32 accumulation, rounded to `out_dtype` (a's dtype)."""
     dims = (((0,) if transpose_a else (1,)), ((1,) if transpose_b else (0,)))
-    out = jax.lax.dot_general(a, b, (dims, ((), ())), precision=_precision(a.dtype), preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(a, b, (dims, ((), ())), precision=matmul_precision(a.dtype), preferred_element_type=jnp.float32)
     return out.astype(out_dtype or a.dtype)
 
 
