@@ -1,0 +1,88 @@
+"""Ring attention over every local GPU against one GPU's ops.attention on its shard's length.
+
+    python -m benchmarks.ring_attention [--t-per-device 32768] [--heads 32] [--out ring.json]
+
+Causal attention, B1, N query heads = kv heads, H128, bf16. With n devices the sequence is
+n * t_per_device long and split over mesh axis "ring" (shard_map); each device runs fwd+bwd of
+`ops.ring_attention` (the local `ops.attention` per K/V block, K/V rotating with ppermute) in
+the contiguous layout and in the causal load-balanced zigzag layout. The per-device throughput
+(attention FLOPs of the whole causal sequence / n / time) is compared with one device running
+`ops.attention` at t_per_device (FLOPs / time), timed in the same interleaved rounds; the issue's
+target is >= 85%. On fewer than 2 devices only the single-device call is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from benchmarks.common import fwd_bwd, interleaved
+from forgeax import ops
+
+
+def causal_flops(batch: int, t: int, heads: int, head_dim: int) -> float:
+    """fwd+bwd matmul FLOPs of causal attention: 2 products forward, 5 backward, half the square."""
+    return 7 * 2 * batch * heads * head_dim * t * t / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--t-per-device", type=int, default=32768)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--devices", type=int, help="use the first N devices (default all)")
+    parser.add_argument("--backend", help="the local ops.attention backend (default: selection)")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="-")
+    args = parser.parse_args()
+    devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+    n, t, heads, hd = len(devices), args.t_per_device, args.heads, args.head_dim
+    keys = jax.random.split(jax.random.key(0), 4)
+    total = (1, n * t, heads, hd)
+    q, k, v, do = (jax.random.normal(key, total, jnp.float32).astype(jnp.bfloat16) for key in keys)
+
+    single_step = jax.jit(fwd_bwd(lambda q, k, v: ops.attention(q, k, v, causal=True, backend=args.backend)))
+    single_args = jax.device_put(tuple(a[:, :t] for a in (q, k, v, do)), devices[0])
+    candidates = {"single": (single_step, single_args)}
+    report = {"devices": [d.device_kind for d in devices], "n": n, "t_per_device": t, "heads": heads, "head_dim": hd,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median, interleaved"}}
+    if n > 1:
+        mesh = jax.make_mesh((n,), ("ring",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+        spec = P(None, "ring")
+        for layout in ("contiguous", "zigzag"):
+            local = fwd_bwd(lambda q, k, v, layout=layout: ops.ring_attention(
+                q, k, v, axis_name="ring", causal=True, layout=layout, backend=args.backend))
+            step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
+            arrays = (q, k, v, do) if layout == "contiguous" else tuple(ops.to_zigzag(a, n) for a in (q, k, v, do))
+            candidates[layout] = (step, tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays))
+    for fn, fn_args in candidates.values():
+        jax.block_until_ready(fn(*fn_args))  # compile outside the rounds
+    times = interleaved(candidates, calls=args.calls, rounds=args.reps, warmup=1)
+    single_s = statistics.median(times["single"])
+    results = {"single": {"ms": single_s * 1e3, "tflops": causal_flops(1, t, heads, hd) / single_s / 1e12}}
+    for name in candidates:
+        if name == "single":
+            continue
+        s = statistics.median(times[name])
+        per_device = causal_flops(1, n * t, heads, hd) / n / s / 1e12
+        results[name] = {"ms": s * 1e3, "tflops_per_device": per_device,
+                         "fraction_of_single": per_device / results["single"]["tflops"]}
+    for name, r in results.items():
+        print(name, json.dumps(r), flush=True)
+    report["results"] = results
+    if args.out != "-":
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
