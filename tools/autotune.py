@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], forgeax.Tuning]:
                 fn = spec.build(None, mode, options)
                 start = time.perf_counter()
                 tuning = forgeax.autotune(fn, *inputs, rounds=args.tune_rounds, calls=args.calls, timeout_s=args.timeout_s,
-                                          max_configs=args.max_configs)
+                                          max_configs=args.max_configs, workers=args.workers)
                 tune_s = time.perf_counter() - start
                 if args.device:
                     tuning = forgeax.Tuning([dataclasses.replace(e, device=args.device) for e in tuning.entries], report=tuning.report)
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--max-configs", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=4, help="threads compiling candidates (1: one at a time)")
     parser.add_argument("--device", default=None, help="device-kind prefix for the entries, e.g. 'NVIDIA H100'")
     parser.add_argument("--write-tuning", action="store_true", help="merge into ops/tunings/<device>.json")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
