@@ -52,17 +52,26 @@ def _round_trip(fn, args, platforms=None):
     return jax.export.deserialize(blob)
 
 
-def test_xla_backends_round_trip_on_cpu():
+def _assert_same(expected, got, where):
+    for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        if core.current_platform() == "cpu":
+            assert np.array_equal(np.asarray(e), np.asarray(g)), where
+        else:  # a GPU backward may sum in any order (atomics)
+            np.testing.assert_allclose(np.asarray(e, np.float32), np.asarray(g, np.float32), rtol=1e-5, atol=1e-6,
+                                       err_msg=str(where))
+
+
+def test_op_chain_and_its_gradient_round_trip():
+    """On CPU the ops' XLA backends; on a GPU whatever the selection picks there."""
     args = _inputs()
     grad_fn = jax.grad(_model, argnums=(0, 1, 2))
     for fn in (_model, grad_fn):
         restored = _round_trip(fn, args)
         with core.interpret_mode(False):
             expected = jax.jit(fn)(*args)
-        got = restored.call(*args)
-        for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
-            assert np.array_equal(np.asarray(e), np.asarray(g)), fn
-    assert forgeax.explain(_model, *args).backends() == ("xla",) * 3
+        _assert_same(expected, restored.call(*args), fn)
+    if core.current_platform() == "cpu":
+        assert forgeax.explain(_model, *args).backends() == ("xla",) * 3
 
 
 def test_every_target_is_a_disabled_check():
@@ -122,15 +131,15 @@ def test_interpreted_kernels_cannot_be_exported():
 @on_gpu
 def test_kernels_round_trip_on_gpu():
     """The real kernels: export, serialize, deserialize, call; bit-identical to the jitted call."""
-    args = _inputs()
+    x = conformance.random_array(jax.random.key(2), (257, 512), jnp.bfloat16)
+    scale = 1.0 + conformance.random_array(jax.random.key(3), (512,), jnp.float32, scale=0.1)
     for backend in ("triton", "pallas_gpu"):
-        if backend not in core.OPS["rms_norm"].backends:
-            continue
-        fn = lambda x, scale: ops.rms_norm(x, scale, backend=backend)  # noqa: E731
-        for f in (fn, jax.grad(lambda x, s: jnp.sum(fn(x, s) ** 2), argnums=(0, 1))):
-            restored = _round_trip(f, args[:2])
-            for e, g in zip(jax.tree.leaves(jax.jit(f)(*args[:2])), jax.tree.leaves(restored.call(*args[:2]))):
-                assert np.array_equal(np.asarray(e), np.asarray(g)), backend
+        fn = lambda x, scale, backend=backend: ops.rms_norm(x, scale, backend=backend)  # noqa: E731
+        loss = lambda x, s, fn=fn: jnp.sum(fn(x, s).astype(jnp.float32) ** 2)  # noqa: E731
+        for f in (fn, jax.grad(loss, argnums=(0, 1))):
+            restored = _round_trip(f, (x, scale))
+            assert any(t in restored.mlir_module() for t in ("triton_kernel_call", "mosaic_gpu_v2")), backend
+            _assert_same(jax.jit(f)(x, scale), restored.call(x, scale), backend)
     x = conformance.random_array(jax.random.key(1), (4, 1000), jnp.bfloat16, scale=40.0)
     fn = _softcap_triton()
     restored = _round_trip(fn, (x,))
