@@ -175,6 +175,21 @@ def test_pallas_tpu_head_tiles_and_key_blocks():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged_case", [False, True], ids=["contiguous", "paged"])
+def test_vmap_matches_a_loop(backend, paged_case):
+    case = CASES[2] if paged_case else CASES[0]
+    one, two = _inputs(case, seed=19), _inputs(case, seed=23)
+    stacked = [None if a is None else jnp.stack([a, b]) for a, b in zip(one, two)]
+    if paged_case:  # one shared page pool, two sets of requests over it
+        stacked[2], stacked[3] = one[2], one[3]
+        two = two[:2] + one[2:4] + two[4:]
+    axes = tuple(None if (a is None or (paged_case and i in (2, 3))) else 0 for i, a in enumerate(stacked))
+    got = jax.vmap(lambda *a: _public(*a, backend=backend), in_axes=axes)(*stacked)
+    for i, args in enumerate((one, two)):
+        assert conformance.relative_error(got[i], _public(*args, backend=backend)) < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_changing_lengths_do_not_recompile(backend):
     ql, qr, kv, kr, lens, table = _inputs(CASES[2])
     run = jax.jit(lambda *a: _public(*a, backend=backend))

@@ -9,8 +9,6 @@ q_latent's dtype, lse [B, N] f32). The caller has clamped lengths into [0, S] (c
 
 from __future__ import annotations
 
-import functools
-
 import jax
 
 from forgeax.kernels.common.paged import PagedSpec
@@ -46,4 +44,4 @@ def forward_only(run, backend: str):
         raise AssertionError("unreachable")
 
     wrapped.defvjp(fwd, bwd)
-    return functools.wraps(run)(wrapped)
+    return wrapped  # not functools.wraps: it would copy run's __dict__ (a custom_vmap's `fun`) over the custom_vjp's

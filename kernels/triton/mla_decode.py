@@ -30,6 +30,7 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
+from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.mla_decode import forward_only, spec_reason
 from forgeax.kernels.common.paged import PagedSpec
 from forgeax.kernels.triton.attention_tiles import LN2, dot
@@ -199,12 +200,16 @@ def _launch(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *, spec: P
 
 
 @functools.cache
-def _forward(spec: PagedSpec, config: MlaDecodeTritonConfig):
-    return forward_only(functools.partial(_launch, spec=spec, config=config), "triton")
+def _forward(spec: PagedSpec, config: MlaDecodeTritonConfig, paged: bool):
+    """The launch behind forward_only; under vmap the vmapped axis folds into the requests (B),
+    or, when a page pool itself is vmapped, the launches loop (lax.map)."""
+    launch = functools.partial(_launch, spec=spec, config=config)
+    rows = (0, 1, 4, 5) if paged else (0, 1, 2, 3, 4)
+    return forward_only(fold_vmap_into_rows(launch, row_args=rows), "triton")
 
 
 def mla_decode(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *, spec: PagedSpec, config: MlaDecodeTritonConfig):
-    return _forward(spec, config)(q_latent, q_rope, kv_latent, k_rope, lengths, page_table)
+    return _forward(spec, config, page_table is not None)(q_latent, q_rope, kv_latent, k_rope, lengths, page_table)
 
 
 def supports(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *, spec: PagedSpec) -> str | None:
