@@ -27,7 +27,7 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1
 B, N, L, R, S, PAGE = 2, 128, 512, 64, 1000, 64
 
 
-def _args(paged: bool, dtype=jnp.bfloat16):
+def _args(paged: bool, dtype=jnp.bfloat16, *, N=N, PAGE=PAGE):
     g = jax.ShapeDtypeStruct
     pages = B * (-(-S // PAGE))
     cache = (pages, PAGE) if paged else (B, S)
@@ -56,4 +56,14 @@ def test_pallas_tpu_kernel_lowers_for_tpu(paged, dtype):
     args = _args(paged, dtype)
     config = tpu_mla.MlaDecodeTpuConfig()
     text = conformance.lowered_text(lambda *a: tpu_mla.MLA_DECODE.fn(*a, spec=SPEC, config=config), *args, platform="tpu")
+    assert text.count("@tpu_custom_call") == 1
+
+
+def test_pallas_tpu_kernel_lowers_for_deepseek_v2_lite_pages():
+    """16 heads (a single head tile), pages of 16 rows: one grid step per page."""
+    from forgeax.kernels.pallas.tpu import mla_decode as tpu_mla  # noqa: PLC0415
+
+    args = _args(True, N=16, PAGE=16)
+    text = conformance.lowered_text(lambda *a: tpu_mla.MLA_DECODE.fn(*a, spec=SPEC, config=tpu_mla.MlaDecodeTpuConfig()),
+                                    *args, platform="tpu")
     assert text.count("@tpu_custom_call") == 1
