@@ -147,11 +147,20 @@ def heuristic_config(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *
 
 
 def candidate_configs(*args, **kwargs) -> list[MlaDecodeTritonConfig]:
+    """Head tiles 16..64, key tiles 16..64, 1..3 stages, the heuristic's splits halved and doubled;
+    without the pipelines whose cache tiles alone pass 160 KB of shared memory (227 KB on Hopper)
+    or whose [block_h, L] f32 accumulator would take more than 128 registers a thread."""
     base = heuristic_config(*args, **kwargs)
+    q_latent, q_rope = args[0], args[1]
+    width = (_pow2_at_least(q_latent.shape[2]) + _pow2_at_least(q_rope.shape[2])) * jnp.dtype(q_latent.dtype).itemsize
     out = [base]
     for block_h, warps in ((16, 4), (32, 4), (32, 8), (64, 8)):
+        if block_h * _pow2_at_least(q_latent.shape[2]) > 128 * 32 * warps:
+            continue
         for block_n in (16, 32, 64):
             for stages in (1, 2, 3):
+                if stages * block_n * width > 160 * 1024:
+                    continue
                 for splits in sorted({base.num_splits, max(1, base.num_splits // 2), base.num_splits * 2}):
                     c = base.replace(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
                     if c not in out:
