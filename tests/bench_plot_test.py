@@ -62,3 +62,20 @@ def test_bench_reports_compile_time_and_plots(tmp_path):
     _, columns, table_rows = bench.table(report)
     assert columns[-1] == "compile s" and all(row[-1] != "-" for row in table_rows if row[4] == "xla")
     assert (tmp_path / "img" / "rms_norm.png").read_bytes()[:8] == PNG
+
+
+def test_latest_picks_each_ops_newest_report(tmp_path):
+    old = dict(_report([_result("rope", "s", "fwd", "xla", 9.0), _result("rms_norm", "s", "fwd", "xla", 2.0)]), date="2026-11-20")
+    new = dict(_report([_result("rope", "s", "fwd", "xla", 1.0)]), date="2026-11-27")
+    (tmp_path / "a_H100_2026-11-20_bench.json").write_text(json.dumps(old))
+    (tmp_path / "b_H100_2026-11-27_bench.json").write_text(json.dumps(new))
+    (tmp_path / "notes.json").write_text("{}")
+    picked = {r["results"][0]["op"]: (os.path.basename(p), r["results"][0]["median_ms"]) for p, r in plot.latest_reports(str(tmp_path))}
+    assert picked == {"rope": ("b_H100_2026-11-27_bench.json", 1.0), "rms_norm": ("a_H100_2026-11-20_bench.json", 2.0)}
+    plot.main(["--latest", str(tmp_path), "--out", str(tmp_path / "img")])
+    assert sorted(os.listdir(tmp_path / "img")) == ["rms_norm.png", "rope.png"]
+
+
+def test_compute_bound_ops_plot_tflops():
+    rows = [dict(_result("attention", "s", "fwd", b, 1.0, 0.1), flops=1e12, tflop_per_s=t) for b, t in (("xla", 100.0), ("triton", 400.0))]
+    assert plot.choose_metric(rows, "auto") == "tflops"

@@ -1,12 +1,13 @@
 """PNG plots of tools/bench.py reports: one per op, bars per backend and anchor, per shape and mode.
 
     python tools/plot.py benchmarks/results/attention_H100_2026-11-26_bench.json --out docs/img
+    python tools/plot.py --latest benchmarks/results --out docs/img   # each op's newest bench JSON
     python tools/bench.py --op rms_norm --plot /tmp/plots      # while benchmarking
 
 Each op's figure has one panel per mode (fwd, fwd+bwd); a group of bars per named shape, one
-bar per backend or anchor. The metric is the fraction of the floor where the report has one
-for every result of the op (higher is better, 1 is the floor), else the median time in ms
-(log scale, lower is better); `--metric` forces one. Several reports may be given: their
+bar per backend or anchor. The metric is TFLOP/s for compute-bound ops (results that count
+FLOPs), else the fraction of the bytes floor where the report has one for every result of the
+op (1 is the floor), else the median time in ms (log scale); `--metric` forces one. Several reports may be given: their
 results are plotted together (later files win for a repeated op/shape/mode/backend).
 Writes <out>/<op>.png (matplotlib, Agg backend: no display needed).
 """
@@ -20,13 +21,14 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-METRICS = ("auto", "fraction", "ms", "speedup_vs_xla", "compile_s")
+METRICS = ("auto", "fraction", "tflops", "ms", "speedup_vs_xla", "compile_s")
 _LABELS = {"fraction": "fraction of the floor (higher is better)", "ms": "median ms per call (lower is better)",
+           "tflops": "TFLOP/s (higher is better)",
            "speedup_vs_xla": "speed-up over the XLA backend (higher is better)", "compile_s": "lower + compile, s"}
 
 
 def _value(result: dict[str, Any], metric: str) -> float | None:
-    key = {"fraction": "fraction_of_floor", "ms": "median_ms"}.get(metric, metric)
+    key = {"fraction": "fraction_of_floor", "ms": "median_ms", "tflops": "tflop_per_s"}.get(metric, metric)
     value = result.get(key)
     return float(value) if value is not None else None
 
@@ -41,8 +43,12 @@ def merged_results(reports: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def choose_metric(results: Sequence[dict[str, Any]], metric: str) -> str:
+    """`metric`, or for "auto": TFLOP/s for a compute-bound op (every result counts FLOPs), else
+    the fraction of the (bytes) floor where every result has one, else ms."""
     if metric != "auto":
         return metric
+    if results and all(r.get("flops") and r.get("tflop_per_s") for r in results):
+        return "tflops"
     return "fraction" if results and all(r.get("fraction_of_floor") is not None for r in results) else "ms"
 
 
@@ -111,12 +117,40 @@ def write_plots(reports: Sequence[dict[str, Any]], out_dir: str, metric: str = "
     return paths
 
 
+def latest_reports(directory: str) -> list[tuple[str, dict[str, Any]]]:
+    """(path, report) of each op's newest bench report in `directory` (*_bench*.json holding
+    tools/bench.py results; newest by the report's date, then file name), restricted to that op."""
+    newest: dict[str, tuple[tuple[str, str], str, dict[str, Any]]] = {}
+    for name in sorted(os.listdir(directory)):
+        if "_bench" not in name or not name.endswith(".json"):
+            continue
+        path = os.path.join(directory, name)
+        with open(path) as f:
+            report = json.load(f)
+        if not isinstance(report.get("results"), list):
+            continue
+        for op in {r["op"] for r in report["results"]}:
+            rank = (str(report.get("date", "")), name)
+            if op not in newest or rank > newest[op][0]:
+                newest[op] = (rank, path, report)
+    return [(path, dict(report, results=[r for r in report["results"] if r["op"] == op]))
+            for op, (_, path, report) in sorted(newest.items())]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("reports", nargs="+", help="bench JSON files (benchmarks/results/*_bench.json)")
+    parser.add_argument("reports", nargs="*", help="bench JSON files (benchmarks/results/*_bench.json)")
+    parser.add_argument("--latest", metavar="DIR", help="plot each op from its newest bench JSON in DIR instead")
     parser.add_argument("--out", default="docs/img", help="directory for <op>.png (default docs/img)")
     parser.add_argument("--metric", default="auto", choices=METRICS)
     args = parser.parse_args(argv)
+    if args.latest:
+        for source, report in latest_reports(args.latest):
+            for path in write_plots([report], args.out, args.metric):
+                print(f"wrote {path} (from {os.path.basename(source)})")
+        return
+    if not args.reports:
+        parser.error("give bench JSON files or --latest DIR")
     reports = []
     for name in args.reports:
         with open(name) as f:
