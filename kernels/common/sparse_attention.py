@@ -26,7 +26,7 @@ backward math is kernels/common/attention.py's (D = rowsum(dout * out) - dlse, d
 Kernels walk tables built here by XLA (static sizes): `forward_table` (per query block its key
 blocks, ascending, and how many) and `transposed_table` (per key block the query blocks that
 read it), both from `block_mask`, which also drops, under causal, the key blocks no query of the
-block may see.
+block may see; each also counts the pairs that need no position mask (`full_blocks`).
 """
 
 from __future__ import annotations
@@ -95,19 +95,38 @@ def _compact(mask: Array, width: int) -> tuple[Array, Array]:
     return order, jnp.sum(mask, axis=-1, dtype=jnp.int32)
 
 
-def forward_table(block_indices: Array, spec: SparseAttentionSpec, T: int, S: int) -> tuple[Array, Array]:
-    """(cols [B, K, nq, W], counts [B, K, nq]): query block i reads key blocks cols[..., i, :counts]
-    (ascending, each once). W = block_indices' slot count (at least 1)."""
-    width = max(1, block_indices.shape[-1])
-    cols, counts = _compact(block_mask(block_indices, spec, T, S), min(width, num_blocks(S, spec.block_size)))
-    return cols, counts
+def full_blocks(spec: SparseAttentionSpec, T: int, S: int) -> Array:
+    """[nq, nk] bool: every query of block i may see every key of block j by position (j holds
+    bs keys below S; with causal, its last key is visible to the block's first query). For a
+    fixed i these are the smallest j, for a fixed j (not the key tail) the largest i: in the
+    tables' ascending order they form a prefix (forward) or a suffix (transposed)."""
+    bs = spec.block_size
+    nq, nk = num_blocks(T, bs), num_blocks(S, bs)
+    key_end = jnp.arange(nk) * bs + bs
+    full = jnp.broadcast_to((key_end <= S)[None, :], (nq, nk))
+    if spec.causal:
+        full = full & (key_end[None, :] - 1 <= jnp.arange(nq)[:, None] * bs + (S - T))
+    return full
 
 
-def transposed_table(block_indices: Array, spec: SparseAttentionSpec, T: int, S: int) -> tuple[Array, Array]:
-    """(rows [B, K, nk, nq], counts [B, K, nk]): key block j is read by query blocks
-    rows[..., j, :counts] (ascending)."""
+def forward_table(block_indices: Array, spec: SparseAttentionSpec, T: int, S: int) -> tuple[Array, Array, Array]:
+    """(cols [B, K, nq, W], counts [B, K, nq], full [B, K, nq]): query block i reads key blocks
+    cols[..., i, :counts] (ascending, each once), the first `full` of them `full_blocks` (no
+    position mask needed). W = min(block_indices' slot count, nk)."""
+    width = min(max(1, block_indices.shape[-1]), num_blocks(S, spec.block_size))
+    mask = block_mask(block_indices, spec, T, S)
+    cols, counts = _compact(mask, width)
+    full = jnp.sum(mask & full_blocks(spec, T, S), axis=-1, dtype=jnp.int32)
+    return cols, counts, full
+
+
+def transposed_table(block_indices: Array, spec: SparseAttentionSpec, T: int, S: int) -> tuple[Array, Array, Array]:
+    """(rows [B, K, nk, nq], counts [B, K, nk], masked [B, K, nk]): key block j is read by query
+    blocks rows[..., j, :counts] (ascending), the first `masked` of them not `full_blocks`."""
     mask = jnp.swapaxes(block_mask(block_indices, spec, T, S), -1, -2)
-    return _compact(mask, mask.shape[-1])
+    rows, counts = _compact(mask, mask.shape[-1])
+    masked = jnp.sum(mask & ~full_blocks(spec, T, S).T, axis=-1, dtype=jnp.int32)
+    return rows, counts, masked
 
 
 def differentiable_sparse_attention(forward: Callable[..., tuple[Array, Array]],

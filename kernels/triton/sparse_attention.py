@@ -15,9 +15,11 @@ loops over exactly the selected pairs, with the loop bound loaded from the table
   * `_dkdv_kernel`, grid (cdiv(S, bs), B*K): a key block of one kv head loops over the query
     blocks of its transposed-table row and, for each, over the G query heads in tiles of `g'`
     heads; dk and dv are summed in f32 registers and stored once. No atomics: deterministic.
-Every tile applies the key tail (s < S) and, with causal, s <= t + S - T; rows past T load
-lse = -inf, so p = 0 there. Head dims are padded to powers of two (>= 16) with masked loads; f32
-uses tf32x3 dots, the interpreter f32 dots (`attention_tiles.dot`).
+Tiles apply the key tail (s < S) and, with causal, s <= t + S - T, except the pairs of
+`full_blocks` (every row sees every key), which the tables count and the loops take first
+(forward, dQ) or last (dK/dV) without masks; rows past T load lse = -inf, so p = 0 there.
+Head dims are padded to powers of two (>= 16) with masked loads; f32 uses tf32x3 dots, the
+interpreter f32 dots (`attention_tiles.dot`).
 """
 
 from __future__ import annotations
@@ -111,26 +113,35 @@ def candidate_configs(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> t
 
 
 @triton.jit
-def _rows(PTR, b, t, n, d, L: tl.constexpr, NH: tl.constexpr, D: tl.constexpr):
-    """[len(t), len(d)] tile of a [B, L, NH, D] array at (b, t[r], n[r], d), zeros past L and D."""
+def _rows(PTR, b, t, n, L: tl.constexpr, NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+          MASKED: tl.constexpr):
+    """[len(t), DP] tile of a [B, L, NH, D] array at rows (b, t[r], n[r]), zeros past L and D.
+    MASKED=False where the caller knows every t < L: with DP == D the load then takes no mask
+    (row masks cost vectorised loads and ptxas' schedule in the attention kernels)."""
+    d = tl.arange(0, DP)
     offs = b.to(tl.int64) * (L * NH * D) + t[:, None] * (NH * D) + n[:, None] * D + d[None, :]
-    return tl.load(PTR + offs, mask=(t[:, None] < L) & (d[None, :] < D), other=0.0)
+    if MASKED or DP != D:
+        return tl.load(PTR + offs, mask=(t[:, None] < L) & (d[None, :] < D), other=0.0)
+    return tl.load(PTR + offs)
 
 
 @triton.jit
 def _logits2(qk, t, s, T: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
-             CAUSAL: tl.constexpr):
-    """(logits in log2 units, -inf where the key is past S or after the query; tanh of the cap)."""
+             CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """(logits in log2 units, with MASKED -inf where the key is past S or after the query; tanh of
+    the cap). Unmasked tiles are `full_blocks` (kernels/common/sparse_attention.py)."""
     th = 0.0
     if CAP > 0:
         th = tanh(qk * (SCALE / CAP))
         z = th * (CAP * LOG2E)
     else:
         z = qk * (SCALE * LOG2E)
-    ok = s < S
-    if CAUSAL:
-        ok = ok & (s <= t + (S - T))
-    return tl.where(ok, z, float("-inf")), th
+    if MASKED:
+        ok = s < S
+        if CAUSAL:
+            ok = ok & (s <= t + (S - T))
+        z = tl.where(ok, z, float("-inf"))
+    return z, th
 
 
 @triton.jit
@@ -145,7 +156,25 @@ def _query_rows(pid1, KH: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BS: t
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, COLS, COUNTS, O, LSE, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
+def _fwd_step(acc, m_i, l_i, q, j, t, b, kh, K, V, T: tl.constexpr, S: tl.constexpr, KH: tl.constexpr,
+              H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
+              CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
+    """The online-softmax update of the forward's rows with key block j."""
+    s = j * BS + tl.arange(0, BS)
+    kk = _rows(K, b, s, kh + 0 * s, S, KH, H, HP, MASKED)
+    z, _ = _logits2(dot(q, tl.trans(kk), DOT), t[:, None], s[None, :], T, S, SCALE, CAP, CAUSAL, MASKED)
+    m_new = tl.maximum(m_i, tl.max(z, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(z - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vv = _rows(V, b, s, kh + 0 * s, S, KH, HV, HVP, MASKED)
+    acc = acc * alpha[:, None] + dot(p.to(vv.dtype), vv, DOT)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, COLS, COUNTS, FULL, O, LSE, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
                 KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
                 SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr,
                 GH: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
@@ -154,29 +183,22 @@ def _fwd_kernel(Q, K, V, COLS, COUNTS, O, LSE, T: tl.constexpr, S: tl.constexpr,
     b, kh, n0, head, row = _query_rows(tl.program_id(1), KH, N // KH, GH, BS)
     t = i * BS + row
     n = n0 + head
-    h = tl.arange(0, HP)
-    hv = tl.arange(0, HVP)
-    q = _rows(Q, b, t, n, h, T, N, H)
+    q = _rows(Q, b, t, n, T, N, H, HP, True)
     acc = tl.zeros([GH * BS, HVP], dtype=tl.float32)
     m_i = tl.full([GH * BS], float("-inf"), tl.float32)
     l_i = tl.zeros([GH * BS], dtype=tl.float32)
     table = (b * KH + kh) * NQ + i
-    count = tl.load(COUNTS + table)
-    for w in range(0, count):
-        j = tl.load(COLS + table.to(tl.int64) * W + w)
-        s = j * BS + tl.arange(0, BS)
-        kt = tl.trans(_rows(K, b, s, kh + 0 * s, h, S, KH, H))
-        z, _ = _logits2(dot(q, kt, DOT), t[:, None], s[None, :], T, S, SCALE, CAP, CAUSAL)
-        m_new = tl.maximum(m_i, tl.max(z, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(z - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = _rows(V, b, s, kh + 0 * s, hv, S, KH, HV)
-        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT)
-        m_i = m_new
+    cols = COLS + table.to(tl.int64) * W
+    full = tl.load(FULL + table)
+    for w in range(0, full):  # blocks every row sees whole: no masks
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, tl.load(cols + w), t, b, kh, K, V, T, S, KH, H, HV, HP, HVP,
+                                  SCALE, CAP, CAUSAL, BS, DOT, False)
+    for w in range(full, tl.load(COUNTS + table)):  # the diagonal and the key tail
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, tl.load(cols + w), t, b, kh, K, V, T, S, KH, H, HV, HP, HVP,
+                                  SCALE, CAP, CAUSAL, BS, DOT, True)
     nonempty = l_i > 0.0
     out = acc * tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)[:, None]
+    hv = tl.arange(0, HVP)
     o_offs = b.to(tl.int64) * (T * N * HV) + t[:, None] * (N * HV) + n[:, None] * HV + hv[None, :]
     tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=(t[:, None] < T) & (hv[None, :] < HV))
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -194,75 +216,102 @@ def _row_stats(LSE, DELTA, b, n, t, T: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, COLS, COUNTS, DO, LSE, DELTA, DQ, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
-               KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
-               SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr,
+def _dq_step(dq, q, do, lse2, d, j, t, b, kh, K, V, T: tl.constexpr, S: tl.constexpr, KH: tl.constexpr,
+             H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
+             CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
+    """dq += dz k for key block j (scale applied at the store)."""
+    s = j * BS + tl.arange(0, BS)
+    kk = _rows(K, b, s, kh + 0 * s, S, KH, H, HP, MASKED)
+    vv = _rows(V, b, s, kh + 0 * s, S, KH, HV, HVP, MASKED)
+    z, th = _logits2(dot(q, tl.trans(kk), DOT), t[:, None], s[None, :], T, S, SCALE, CAP, CAUSAL, MASKED)
+    p = tl.math.exp2(z - lse2[:, None])
+    dz = p * (dot(do, tl.trans(vv), DOT) - d[:, None])
+    if CAP > 0:
+        dz = dz * (1.0 - th * th)
+    return dq + dot(dz.to(kk.dtype), kk, DOT)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, COLS, COUNTS, FULL, DO, LSE, DELTA, DQ, T: tl.constexpr, S: tl.constexpr,
+               N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr,
+               HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr,
                GH: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
     NQ: tl.constexpr = (T + BS - 1) // BS
     i = tl.num_programs(0) - 1 - tl.program_id(0)
     b, kh, n0, head, row = _query_rows(tl.program_id(1), KH, N // KH, GH, BS)
     t = i * BS + row
     n = n0 + head
-    h = tl.arange(0, HP)
-    hv = tl.arange(0, HVP)
-    q = _rows(Q, b, t, n, h, T, N, H)
-    do = _rows(DO, b, t, n, hv, T, N, HV)
+    q = _rows(Q, b, t, n, T, N, H, HP, True)
+    do = _rows(DO, b, t, n, T, N, HV, HVP, True)
     lse2, d = _row_stats(LSE, DELTA, b, n, t, T, N)
     dq = tl.zeros([GH * BS, HP], dtype=tl.float32)
     table = (b * KH + kh) * NQ + i
-    count = tl.load(COUNTS + table)
-    for w in range(0, count):
-        j = tl.load(COLS + table.to(tl.int64) * W + w)
-        s = j * BS + tl.arange(0, BS)
-        kk = _rows(K, b, s, kh + 0 * s, h, S, KH, H)
-        vv = _rows(V, b, s, kh + 0 * s, hv, S, KH, HV)
-        z, th = _logits2(dot(q, tl.trans(kk), DOT), t[:, None], s[None, :], T, S, SCALE, CAP, CAUSAL)
-        p = tl.math.exp2(z - lse2[:, None])
-        dz = p * (dot(do, tl.trans(vv), DOT) - d[:, None])
-        if CAP > 0:
-            dz = dz * (1.0 - th * th)
-        dq += dot(dz.to(kk.dtype), kk, DOT)
+    cols = COLS + table.to(tl.int64) * W
+    full = tl.load(FULL + table)
+    for w in range(0, full):
+        dq = _dq_step(dq, q, do, lse2, d, tl.load(cols + w), t, b, kh, K, V, T, S, KH, H, HV, HP, HVP, SCALE, CAP,
+                      CAUSAL, BS, DOT, False)
+    for w in range(full, tl.load(COUNTS + table)):
+        dq = _dq_step(dq, q, do, lse2, d, tl.load(cols + w), t, b, kh, K, V, T, S, KH, H, HV, HP, HVP, SCALE, CAP,
+                      CAUSAL, BS, DOT, True)
+    h = tl.arange(0, HP)
     offs = b.to(tl.int64) * (T * N * H) + t[:, None] * (N * H) + n[:, None] * H + h[None, :]
     tl.store(DQ + offs, (dq * SCALE).to(DQ.dtype.element_ty), mask=(t[:, None] < T) & (h[None, :] < H))
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, ROWS, COUNTS, DO, LSE, DELTA, DK, DV, T: tl.constexpr, S: tl.constexpr,
+def _dkdv_step(dk, dv, kk, vv, i, s, b, kh, Q, DO, LSE, DELTA, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
+               KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
+               SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr, GH: tl.constexpr,
+               DOT: tl.constexpr, MASKED: tl.constexpr):
+    """dk, dv of key block s from query block i, over the G query heads of kv head kh, GH at a time
+    (tiles are [keys, queries])."""
+    G: tl.constexpr = N // KH
+    QTAIL: tl.constexpr = T % BS != 0  # rows past T exist only in the last query block
+    r = tl.arange(0, GH * BS)
+    t = i * BS + r % BS
+    for g0 in range(0, G, GH):
+        n = kh * G + g0 + r // BS
+        q = _rows(Q, b, t, n, T, N, H, HP, QTAIL)
+        do = _rows(DO, b, t, n, T, N, HV, HVP, QTAIL)
+        lse2, d = _row_stats(LSE, DELTA, b, n, t, T, N)
+        zt, tht = _logits2(dot(kk, tl.trans(q), DOT), t[None, :], s[:, None], T, S, SCALE, CAP, CAUSAL, MASKED)
+        pt = tl.math.exp2(zt - lse2[None, :])
+        dv += dot(pt.to(do.dtype), do, DOT)
+        dzt = pt * (dot(vv, tl.trans(do), DOT) - d[None, :])
+        if CAP > 0:
+            dzt = dzt * (1.0 - tht * tht)
+        dk += dot(dzt.to(q.dtype), q, DOT)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, ROWS, COUNTS, MASKS, DO, LSE, DELTA, DK, DV, T: tl.constexpr, S: tl.constexpr,
                  N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr,
                  HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr,
                  BS: tl.constexpr, GH: tl.constexpr, DOT: tl.constexpr):
-    G: tl.constexpr = N // KH
     NQ: tl.constexpr = (T + BS - 1) // BS
     NK: tl.constexpr = (S + BS - 1) // BS
-    j = tl.program_id(0)
+    j = tl.num_programs(0) - 1 - tl.program_id(0)  # early key blocks have the most readers
     bk = tl.program_id(1)
     b = bk // KH
     kh = bk % KH
     s = j * BS + tl.arange(0, BS)
-    h = tl.arange(0, HP)
-    hv = tl.arange(0, HVP)
-    kk = _rows(K, b, s, kh + 0 * s, h, S, KH, H)
-    vv = _rows(V, b, s, kh + 0 * s, hv, S, KH, HV)
+    kk = _rows(K, b, s, kh + 0 * s, S, KH, H, HP, True)
+    vv = _rows(V, b, s, kh + 0 * s, S, KH, HV, HVP, True)
     dk = tl.zeros([BS, HP], dtype=tl.float32)
     dv = tl.zeros([BS, HVP], dtype=tl.float32)
-    r = tl.arange(0, GH * BS)
     table = bk * NK + j
-    count = tl.load(COUNTS + table)
-    for w in range(0, count):
-        i = tl.load(ROWS + table.to(tl.int64) * NQ + w)
-        t = i * BS + r % BS
-        for g0 in range(0, G, GH):
-            n = kh * G + g0 + r // BS
-            q = _rows(Q, b, t, n, h, T, N, H)
-            do = _rows(DO, b, t, n, hv, T, N, HV)
-            lse2, d = _row_stats(LSE, DELTA, b, n, t, T, N)
-            zt, tht = _logits2(dot(kk, tl.trans(q), DOT), t[None, :], s[:, None], T, S, SCALE, CAP, CAUSAL)
-            pt = tl.math.exp2(zt - lse2[None, :])
-            dv += dot(pt.to(do.dtype), do, DOT)
-            dzt = pt * (dot(vv, tl.trans(do), DOT) - d[None, :])
-            if CAP > 0:
-                dzt = dzt * (1.0 - tht * tht)
-            dk += dot(dzt.to(q.dtype), q, DOT)
+    rows = ROWS + table.to(tl.int64) * NQ
+    masked = tl.load(MASKS + table)
+    for w in range(0, masked):  # the diagonal and the key tail
+        dk, dv = _dkdv_step(dk, dv, kk, vv, tl.load(rows + w), s, b, kh, Q, DO, LSE, DELTA, T, S, N, KH, H, HV,
+                            HP, HVP, SCALE, CAP, CAUSAL, BS, GH, DOT, True)
+    for w in range(masked, tl.load(COUNTS + table)):
+        dk, dv = _dkdv_step(dk, dv, kk, vv, tl.load(rows + w), s, b, kh, Q, DO, LSE, DELTA, T, S, N, KH, H, HV,
+                            HP, HVP, SCALE, CAP, CAUSAL, BS, GH, DOT, False)
+    h = tl.arange(0, HP)
+    hv = tl.arange(0, HVP)
     k_offs = b.to(tl.int64) * (S * KH * H) + s[:, None] * (KH * H) + kh * H + h[None, :]
     v_offs = b.to(tl.int64) * (S * KH * HV) + s[:, None] * (KH * HV) + kh * HV + hv[None, :]
     tl.store(DK + k_offs, (dk * SCALE).to(DK.dtype.element_ty), mask=(s[:, None] < S) & (h[None, :] < H))
@@ -285,9 +334,9 @@ def forward(q, k, v, block_indices, *, spec: SparseAttentionSpec, config: Triton
     B, T, N, _ = q.shape
     S, KH, HV = k.shape[1], k.shape[2], v.shape[3]
     gh = _heads(config.heads, N // KH)
-    cols, counts = forward_table(block_indices, spec, T, S)
+    cols, counts, full = forward_table(block_indices, spec, T, S)
     return triton_call(
-        q, k, v, cols, counts, kernel=_fwd_kernel,
+        q, k, v, cols, counts, full, kernel=_fwd_kernel,
         out_shape=(jax.ShapeDtypeStruct((B, T, N, HV), q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32)),
         grid=(num_blocks(T, spec.block_size), B * N // gh), num_warps=config.fwd_warps, num_stages=config.fwd_stages,
         GH=gh, W=cols.shape[-1], **_statics(q, k, v, spec))
@@ -295,21 +344,21 @@ def forward(q, k, v, block_indices, *, spec: SparseAttentionSpec, config: Triton
 
 def backward(q, k, v, block_indices, out, lse, dout, dlse, *, spec: SparseAttentionSpec,
              config: TritonSparseAttentionConfig):
-    """(dq, dk, dv) in f32-accumulated kernels, stored in q's / k's / v's dtypes."""
+    """(dq, dk, dv) accumulated in f32, stored in q's / k's / v's dtypes."""
     B, T, N, H = q.shape
     S, KH, HV = k.shape[1], k.shape[2], v.shape[3]
     statics = _statics(q, k, v, spec)
     delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
-    cols, counts = forward_table(block_indices, spec, T, S)
+    cols, counts, full = forward_table(block_indices, spec, T, S)
     gh = _heads(config.heads, N // KH)
     dq = triton_call(
-        q, k, v, cols, counts, dout, lse, delta, kernel=_dq_kernel,
+        q, k, v, cols, counts, full, dout, lse, delta, kernel=_dq_kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(num_blocks(T, spec.block_size), B * N // gh), num_warps=config.bwd_warps, num_stages=config.bwd_stages,
         GH=gh, W=cols.shape[-1], **statics)
-    rows, row_counts = transposed_table(block_indices, spec, T, S)
+    rows, row_counts, masked = transposed_table(block_indices, spec, T, S)
     dk, dv = triton_call(
-        q, k, v, rows, row_counts, dout, lse, delta, kernel=_dkdv_kernel,
+        q, k, v, rows, row_counts, masked, dout, lse, delta, kernel=_dkdv_kernel,
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(num_blocks(S, spec.block_size), B * KH), num_warps=config.bwd_warps, num_stages=config.bwd_stages,
         GH=_heads(config.bwd_heads, N // KH), **statics)

@@ -178,7 +178,7 @@ def _dkdv_items(block_indices, spec, T, S):
     key-block order: a key block's readers, ascending, or one inactive item when it has none."""
     B, K, nq, W = block_indices.shape
     nk = num_blocks(S, spec.block_size)
-    rows, counts = transposed_table(block_indices, spec, T, S)  # [B, K, nk, nq], [B, K, nk]
+    rows, counts, _ = transposed_table(block_indices, spec, T, S)  # [B, K, nk, nq], [B, K, nk]
     items = jnp.maximum(counts, 1)
     ends = jnp.cumsum(items, axis=-1)
     L = nq * min(W, nk) + nk
@@ -237,7 +237,7 @@ def forward(q, k, v, block_indices, *, spec: SparseAttentionSpec, config: Pallas
     B, T, N, H, S, K, Hv, bs, nq, nk = _shapes(q, k, v, spec)
     G = N // K
     cdt = _compute_dtype(q.dtype)
-    cols, counts = forward_table(block_indices, spec, T, S)
+    cols, counts, _ = forward_table(block_indices, spec, T, S)
     W = cols.shape[-1]
     row, key = _row_specs(bs, G, K, nq, W)
     kernel = functools.partial(_fwd_kernel, spec=spec, T=T, S=S, K=K, G=G, nq=nq, W=W)
@@ -264,7 +264,7 @@ def backward(q, k, v, block_indices, out, lse, dout, dlse, *, spec: SparseAttent
     qh, doh = _heads_major(q, Tp, cdt), _heads_major(dout, Tp, cdt)
     kh, vh = _heads_major(k, nk * bs, cdt), _heads_major(v, nk * bs, cdt)
 
-    cols, counts = forward_table(block_indices, spec, T, S)
+    cols, counts, _ = forward_table(block_indices, spec, T, S)
     W = cols.shape[-1]
     row, key = _row_specs(bs, G, K, nq, W)
     dq = _call(
