@@ -96,8 +96,8 @@ OPTIONS = {
     "soft_cap": dict(causal=True, logit_soft_cap=3.0),
     "window_soft_cap": dict(causal=True, window=(40, None), logit_soft_cap=2.0, scale=0.3),
 }
-# (heads, kv_heads, page): GQA group 1, 4, 8 (and MQA), page sizes 16 and 64.
-HEADS = [(4, 4, 16), (8, 2, 16), (8, 1, 64), (16, 2, 16)]
+# (heads, kv_heads, page): GQA group 1, 4, 8 (and MQA), a group of 3, page sizes 16 and 64.
+HEADS = [(4, 4, 16), (8, 2, 16), (8, 1, 64), (16, 2, 16), (12, 4, 16)]
 
 
 @pytest.mark.skipif(_TRITON_INTERPRETED, reason="the reference is checked in the XLA target")
@@ -152,7 +152,7 @@ def test_half_precision_matches_reference(backend, dtype):
     if backend == "pallas_tpu" and dtype == "f16":
         pytest.skip("the Mosaic TPU kernel takes float32/bfloat16")
     dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}[dtype]
-    conformance.assert_conforms(_case(MIXED, "window_soft_cap", (8, 2, 16), dtype=dt, seed=7, head_dim=64), backend)
+    conformance.assert_conforms(_case(MIXED, "window_soft_cap", (8, 2, 16), dtype=dt, seed=7, head_dim=80), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS + (["xla"] if not _TRITON_INTERPRETED else []))
