@@ -128,6 +128,23 @@ def test_jit_does_not_retrace_for_new_lengths_or_tables(backend):
     assert not np.allclose(np.asarray(first), np.asarray(second))
 
 
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
+def test_decode_jit_does_not_retrace_for_new_lengths(backend):
+    q, _, _, lens, _, k, v = _paged_inputs("gqa4_f32", seed=8)
+    traces = []
+
+    @jax.jit
+    def step(lengths):
+        traces.append(1)
+        return ops.decode_attention(q, k, v, lengths, backend=backend)
+
+    step(lens)
+    lens2 = jnp.asarray([9, 0, 40], jnp.int32)
+    got = step(lens2)
+    assert len(traces) == 1
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ops.decode_attention(q, k, v, lens2, backend="xla")), atol=2e-5)
+
+
 def test_traced_out_of_range_page_ids_are_clamped():
     q, kp, vp, lens, table, _, _ = _paged_inputs("gqa4_f32", seed=5)
     bad = table.at[2, 0].set(10_000).at[2, 1].set(-7)
