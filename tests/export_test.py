@@ -144,3 +144,12 @@ def test_kernels_round_trip_on_gpu():
     fn = _softcap_triton()
     restored = _round_trip(fn, (x,))
     assert np.array_equal(np.asarray(jax.jit(fn)(x)), np.asarray(restored.call(x)))
+
+
+@needs_compiled_triton
+def test_vmapped_triton_kernel_lowers_to_one_launch_for_cuda():
+    """The batch folded into the grid compiles (nonzero batch-stride constexprs) as one launch."""
+    fn = jax.vmap(_softcap_triton())
+    x = jax.ShapeDtypeStruct((3, 4, 1000), jnp.float32)
+    text = forgeax.export.export(jax.jit(fn), platforms=("cuda",))(x).mlir_module()
+    assert text.count("stablehlo.custom_call @triton_kernel_call") == 1, text[:3000]
