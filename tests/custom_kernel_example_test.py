@@ -169,3 +169,11 @@ def test_softcap_benchmarks_with_the_bench_tool(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [(r["op"], r["backend"], r["mode"]) for r in rows] == [("softcap", "xla", "fwd")]
     assert rows[0]["median_ms"] > 0 and rows[0]["compile_s"] > 0
+
+
+@needs_triton
+def test_triton_call_alone_says_how_to_differentiate():
+    scale_add, _ = _kernels()
+    b = jnp.ones(37)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.grad(lambda x: jnp.sum(_scale_add(scale_add, x, b)))(jnp.ones(37))

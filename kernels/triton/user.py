@@ -107,8 +107,25 @@ def triton_call(*args: Any, kernel: Any, out_shape: Any, grid: Any, num_warps: i
     spec = _Launch(kernel, tuple(None if flag else a for a, flag in zip(args, is_array)), out_shapes, out_tree, grid,
                    num_warps, num_stages, tuple(metaparams.items()))
     arrays = [jax.numpy.asarray(a) for a, flag in zip(args, is_array) if flag]
-    outs = _batchable(spec, None)(*arrays)
+    outs = _no_derivative(_batchable(spec, None))(*arrays)
     return jax.tree.unflatten(out_tree, outs)
+
+
+def _no_derivative(run):
+    """`run` with a JVP rule that says what to do instead (the same error on GPU and in the
+    interpreter, whose own messages differ)."""
+
+    @jax.custom_jvp
+    def launch(*arrays):
+        return run(*arrays)
+
+    @launch.defjvp
+    def _jvp(primals, tangents):
+        del primals, tangents
+        raise TypeError("forgeax.triton_call: a kernel launch has no derivative; pair a forward and a backward "
+                        "triton_call in a jax.custom_vjp (docs/extending.md, examples/custom_kernel/)")
+
+    return launch
 
 
 # (batch size, which array operands carry it) of a folded launch; None when not vmapped.
