@@ -10,7 +10,8 @@ accelerator the copy ceiling (a large read+write) is measured in the same run, a
 each result is reported as bytes/s or FLOP/s, fraction of the floor, and ratio to
 XLA. On the CPU there is no floor: caches make the measured copy rate no ceiling
 for calls that fit in them, so the fraction is left out (see `checked_fractions`).
-JSON goes to benchmarks/results/.
+Each call's lower + compile time (the first in this process) is reported as `compile_s`.
+JSON goes to benchmarks/results/; `--plot DIR` also draws one PNG per op (tools/plot.py).
 """
 
 from __future__ import annotations
