@@ -24,11 +24,13 @@ _needs_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "").strip(
                                    reason="cross-lowering needs compiled Triton kernels: unset TRITON_INTERPRET")
 
 # (B, N, KV, H, page, max_pages, dtype, spec): the benchmark shape (B64, context 8192, N32/KV8,
-# H128, page 16, bf16), then MQA with a window and soft cap, and an odd group and head dim in f32.
+# H128, page 16, bf16), then MQA with a window and soft cap, an odd group and head dim in f32,
+# and one kv head for 64 query heads.
 CASES = [
     (64, 32, 8, 128, 16, 512, jnp.bfloat16, PagedSpec(scale=128 ** -0.5)),
     (3, 8, 1, 64, 16, 7, jnp.bfloat16, PagedSpec(scale=0.125, window_left=100, window_right=0, logit_soft_cap=30.0)),
     (2, 6, 2, 80, 64, 3, jnp.float32, PagedSpec(scale=0.1, return_lse=True)),
+    (4, 64, 1, 128, 16, 9, jnp.bfloat16, PagedSpec(scale=0.1)),  # a group of 64 heads: 8 warps
 ]
 
 

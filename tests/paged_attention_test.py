@@ -22,12 +22,12 @@ DECODE_BACKENDS = conformance.runnable_backends("decode_attention")
 ON_GPU = interface.current_platform() == "gpu"
 
 # name: (B, N, KV, H, page, lengths, dtype, options). Lengths include 0 and 1, and lengths that
-# are not multiples of the page; groups N/KV of 4, 1 and 8.
+# are not multiples of the page; groups N/KV of 4, 1 and 8; head dims 32, 64 and 48 (not a power of two).
 CASES = {
     "gqa4_f32": (3, 8, 2, 32, 16, (0, 1, 37), jnp.float32, {}),
     "mha_bf16_window": (2, 4, 4, 64, 16, (16, 50), jnp.bfloat16, {"window": (20, 0)}),
     "mqa8_softcap_f16": (2, 8, 1, 32, 16, (33, 5), jnp.float16, {"logit_soft_cap": 3.0, "scale": 0.3}),
-    "page64_window_cap": (2, 4, 2, 32, 64, (65, 130), jnp.float32, {"window": (70, None), "logit_soft_cap": 5.0}),
+    "page64_window_cap": (2, 4, 2, 48, 64, (65, 130), jnp.float32, {"window": (70, None), "logit_soft_cap": 5.0}),
 }
 if ON_GPU:  # the full matrix where kernels run natively
     CASES.update({

@@ -150,7 +150,10 @@ def _heuristic(q, k, page_table, spec: PagedSpec) -> PagedAttentionConfig:
     splits = max(1, min(cdiv(4 * gpu_sm_count(), B * KV), cdiv(blocks, 4)))
     if interpret_enabled():
         splits = min(2, blocks)  # exercises the merge at interpreter cost
-    return PagedAttentionConfig(block_k=block_k, num_splits=splits)
+    group = max(16, _pow2_at_least(q.shape[1] // KV))
+    # A [group, Hv] f32 accumulator past 32 x 128 takes more registers than 4 warps have.
+    warps = 4 if group * max(q.shape[2], 64) <= 32 * 128 else 8
+    return PagedAttentionConfig(block_k=block_k, num_splits=splits, num_warps=warps)
 
 
 def paged_heuristic(q, k_pages, v_pages, lengths, page_table, *, spec: PagedSpec) -> PagedAttentionConfig:
