@@ -55,9 +55,9 @@ def _parameter_names(kernel: Any) -> tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Launch:
-    """Everything about one call but the array operands (hashable parts stay by identity)."""
+    """Everything about one launch but its array operands."""
 
     kernel: Any
     template: tuple[Any, ...]  # the positional args, with None where an array goes
