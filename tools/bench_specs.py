@@ -774,7 +774,20 @@ def _ragged_paged_attention_spec() -> Spec:
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         if mode != "fwd":
             raise UnsupportedError("ragged_paged_attention is forward only (serving)")
-        return jax.jit(lambda *a: ops.ragged_paged_attention(*a[:-1], backend=backend, **options))
+        # Extra settings ('triton:block_q=32:num_warps=8') are fields of the backend's config.
+        fields = dict(options)
+        if not fields:
+            return jax.jit(lambda *a: ops.ragged_paged_attention(*a[:-1], backend=backend))
+        impl = ops.OPS["ragged_paged_attention"].implementation(backend)
+
+        def run(*a):
+            from forgeax.kernels.common.attention import AttentionSpec  # noqa: PLC0415
+
+            spec = AttentionSpec(causal=True, scale=a[0].shape[-1] ** -0.5, window_right=0)
+            config = impl.heuristic_config(*a[:-1], spec=spec).replace(**fields)
+            return ops.ragged_paged_attention(*a[:-1], backend=backend, config=config)
+
+        return jax.jit(run)
 
     def separately(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         # What a server runs without the fused op: ops.attention over the prefills (contiguous

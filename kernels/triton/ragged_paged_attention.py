@@ -4,8 +4,8 @@ Semantics: kernels/common/ragged_paged_attention.py (query j of a sequence at ke
 kv_len - q_len + j; causal / window / soft cap as ops.attention; GQA).
 
 An XLA prologue cuts every sequence's query rows into tiles of at most BQ rows (`work_items`, a
-static-size table; rows of no sequence form tiles that store zeros) and orders the tiles by their
-sequence's kv_len, longest first, so the long decodes and late prefill tiles start early.
+static-size table; rows of no sequence form tiles that store zeros) and orders the tiles by the
+keys they walk, most first, so the long decodes and late prefill tiles start early.
 Grid (tiles, KV): program (tile, kv head) holds the BQ tokens x G = N // KV query heads that share
 the kv head as one [MP, H] tile (row m: token m // G, head m % G; MP = BQ * G padded to a power of
 two >= 16), so each K/V byte it reads serves all G heads. It walks the keys [lo, hi) that any of
@@ -153,6 +153,21 @@ def _candidates(base: RaggedPagedAttentionConfig) -> list[RaggedPagedAttentionCo
             r(block_k=128, num_warps=8), r(num_stages=2), r(num_stages=4)]
 
 
+def _keys_walked(seq, row0, row1, cu_q_lens, kv_lens, spec: AttentionSpec):
+    """How many keys each tile's program walks: hi - lo of `_kernel`."""
+    sc = jnp.maximum(seq, 0)
+    cu = cu_q_lens.astype(jnp.int32)
+    L = jnp.where(seq >= 0, kv_lens[sc], 0)
+    shift = L - (cu[sc + 1] - cu[sc]) - cu[sc]
+    hi = jnp.where(row1 > row0, L, 0)
+    lo = jnp.zeros_like(hi)
+    if spec.right is not None:
+        hi = jnp.minimum(hi, jnp.maximum(row1 + shift + spec.right, 0))
+    if spec.window_left is not None:
+        lo = jnp.maximum(row0 + shift - spec.window_left, 0)
+    return jnp.maximum(hi - lo, 0)
+
+
 def ragged_paged_attention(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, *, spec: AttentionSpec,
                            config: RaggedPagedAttentionConfig):
     T, N, H = q.shape
@@ -162,8 +177,8 @@ def ragged_paged_attention(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, 
     BQ = config.block_q
     kv_lens, page_table = clamped_tables(kv_lens, page_table, P, PAGE)
     seq, row0, row1 = work_items(cu_q_lens, T, BQ)
-    # Longest sequences first (stable: a prefill's tiles keep their order).
-    order = jnp.argsort(-jnp.where(seq >= 0, kv_lens[jnp.maximum(seq, 0)], 0), stable=True)
+    # Heaviest tiles first (the keys each one walks, as the kernel bounds them).
+    order = jnp.argsort(-_keys_walked(seq, row0, row1, cu_q_lens, kv_lens, spec), stable=True)
     seq, row0, row1 = seq[order], row0[order], row1[order]
     return triton_call(
         q, k_pages, v_pages, cu_q_lens.astype(jnp.int32), kv_lens, page_table, seq, row0, row1,
