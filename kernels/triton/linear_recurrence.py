@@ -58,6 +58,23 @@ def _steps(c, T: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARDS: tl.constexpr):
 
 
 @triton.jit
+def _scan_tile(a, x, carry, BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr):
+    """h of one tile from the carry: a tree scan of (a, x) pairs, or (SEQUENTIAL) row after row
+    through masked row sums (O(BLOCK_T^2) work: Triton's interpreter runs a non-builtin scan one
+    element at a time in Python, which this avoids)."""
+    if SEQUENTIAL:
+        rows = tl.arange(0, BLOCK_T)[:, None]
+        h = tl.zeros_like(x)
+        for i in tl.static_range(BLOCK_T):
+            here = rows == i
+            carry = tl.sum(tl.where(here, a, 0.0), axis=0) * carry + tl.sum(tl.where(here, x, 0.0), axis=0)
+            h = tl.where(here, carry[None, :], h)
+        return h
+    a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
+    return a_cum * carry[None, :] + x_cum
+
+
+@triton.jit
 def _last_row(tile, BLOCK_T: tl.constexpr):
     rows = tl.arange(0, BLOCK_T)[:, None]
     return tl.sum(tl.where(rows == BLOCK_T - 1, tile, 0.0), axis=0)
@@ -68,7 +85,7 @@ def _forward_kernel(
     X, A, H0,  # x, a [B, T, D]; h0 [B, D] (unused unless HAS_H0)
     H,  # output h [B, T, D], x's dtype
     T: tl.constexpr, D: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr, TILES: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, SEQUENTIAL: tl.constexpr,
 ):
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -96,8 +113,7 @@ def _forward_kernel(
         offs = base + t[:, None] * D + d[None, :]
         x_next = tl.load(X + offs, mask=m, other=0.0)
         a_next = tl.load(A + offs, mask=m, other=1.0)
-        a_cum, x_cum = tl.associative_scan((a, x), 0, _combine)
-        h = a_cum * carry[None, :] + x_cum
+        h = _scan_tile(a, x, carry, BLOCK_T, SEQUENTIAL)
         tl.store(H + offs_here, h.to(H.dtype.element_ty), mask=m_here)
         carry = _last_row(h, BLOCK_T)
 
@@ -107,7 +123,7 @@ def _backward_kernel(
     G, A, H, H0,  # g (cotangent of h), a, h [B, T, D]; h0 [B, D] (unused unless HAS_H0)
     DX, DA, DH0,  # outputs: dx (g's dtype), da (a's dtype) [B, T, D]; dh0 [B, D] f32
     T: tl.constexpr, D: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr, TILES: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, SEQUENTIAL: tl.constexpr,
     WALK_BACK: tl.constexpr, AHEAD: tl.constexpr,
 ):
     # REVERSE is the forward op's direction; this walk runs the other way (WALK_BACK = not
@@ -143,8 +159,7 @@ def _backward_kernel(
         offs = base + t[:, None] * D + d[None, :]
         g_next = tl.load(G + offs, mask=m, other=0.0)
         a_next = tl.load(A + offs + AHEAD * D, mask=ahead_ok[:, None] & d_ok[None, :], other=0.0)
-        a_cum, g_cum = tl.associative_scan((a, g), 0, _combine)
-        dh = a_cum * carry[None, :] + g_cum
+        dh = _scan_tile(a, g, carry, BLOCK_T, SEQUENTIAL)
         tl.store(DX + offs_here, dh.to(DX.dtype.element_ty), mask=m_here)
         behind = t_here - AHEAD
         behind_ok = (behind >= 0) & (behind < T)
@@ -168,12 +183,14 @@ def _pow2_at_least(n: int) -> int:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinearRecurrenceConfig(KernelConfig):
     """block_t: time steps per tile (one scan, one tile of loads in flight); block_d: channels
-    per program (B * D / block_d programs); num_warps, num_stages: Triton's launch options."""
+    per program (B * D / block_d programs); num_warps, num_stages: Triton's launch options;
+    tile_scan: "tree" (`tl.associative_scan`) or "sequential" (row by row, for the interpreter)."""
 
     block_t: int
     block_d: int
     num_warps: int = 4
     num_stages: int = 1
+    tile_scan: str = "tree"
 
     def validate(self) -> None:
         super().validate()
@@ -181,6 +198,8 @@ class LinearRecurrenceConfig(KernelConfig):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"LinearRecurrenceConfig.{name}: expected a power of two, got {value}")
+        if self.tile_scan not in ("tree", "sequential"):
+            raise ValueError(f"LinearRecurrenceConfig.tile_scan: expected 'tree' or 'sequential', got {self.tile_scan!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"LinearRecurrenceConfig.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
 
@@ -189,11 +208,13 @@ def heuristic_config(x, a, initial_state=None, **kwargs) -> LinearRecurrenceConf
     """Tiles of 64 steps x 64 channels (32 f32 per thread per array at 4 warps): at B * D = 32768
     that is 512 programs, ~4 per SM on an H100, each keeping a 16 KiB tile of x and a in flight
     (~64 KiB per SM, about what HBM3's latency-bandwidth product asks for). The interpreter pays
-    per program and per tile, so there it takes whole small axes."""
+    per program and per tile, so there it takes wide channel blocks and scans rows one by one
+    (its tree scan is one Python call per element)."""
     del a, initial_state, kwargs
     _, t, d = x.shape
     if interpret_enabled():
-        return LinearRecurrenceConfig(block_t=min(64, _pow2_at_least(t)), block_d=min(128, _pow2_at_least(d)))
+        return LinearRecurrenceConfig(block_t=min(16, _pow2_at_least(t)), block_d=min(128, _pow2_at_least(d)),
+                                      tile_scan="sequential")
     return LinearRecurrenceConfig(block_t=min(64, _pow2_at_least(t)), block_d=min(64, _pow2_at_least(d)), num_warps=4)
 
 
@@ -211,7 +232,7 @@ def _common(config: LinearRecurrenceConfig, b: int, t: int, d: int, reverse: boo
     return dict(grid=(b, triton.cdiv(d, config.block_d)), num_warps=config.num_warps, num_stages=config.num_stages,
                 T=t, D=d, HAS_H0=has_h0, REVERSE=reverse, TILES=triton.cdiv(t, config.block_t),
                 BLOCK_T=config.block_t, BLOCK_D=config.block_d,
-                WIDE=b * t * d >= 2**31 - 2 * d)
+                WIDE=b * t * d >= 2**31 - 2 * d, SEQUENTIAL=config.tile_scan == "sequential")
 
 
 def _forward(x, a, h0, *, reverse: bool, config: LinearRecurrenceConfig):
