@@ -126,3 +126,16 @@ def gate_gradient(db: jax.Array, starts: jax.Array, chunk: int) -> jax.Array:
                             (jnp.moveaxis(totals, 1, 0), jnp.moveaxis(reset, 1, 0)[..., None, None]), reverse=True)
     after = jnp.moveaxis(after, 0, 1)
     return (within + after[:, :, None]).reshape(db.shape)
+
+
+def gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk: int) -> jax.Array:
+    """dg on the chunk layout from dq, dk (f32, [R, Tp, N, K]) and the final states' cotangent:
+    d loss / d b_t = q_t dq_t - k_t dk_t, plus, at each sequence's end, sum_v dfinal * final
+    (the final state is exp(b_T) times the rest), reverse-summed within each sequence."""
+    db = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk
+    ends_here = ends[:, 1:]
+    term = jnp.sum(dfinal * final, axis=-1)[jnp.maximum(ends_here, 0)]  # [R, NC, N, K]
+    term = jnp.where((ends_here >= 0)[..., None, None], term, 0.0)
+    r, tp = q.shape[:2]
+    db = db.reshape(r, tp // chunk, chunk, *db.shape[2:]).at[:, :, -1].add(term).reshape(db.shape)
+    return gate_gradient(db, starts, chunk)

@@ -31,8 +31,9 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.kernels.common.gated_linear_attention import (
-    SUB_CHUNK, GLASpec, chunk_cumsum, from_layout, gate_gradient, make_layout, to_layout)
+    SUB_CHUNK, GLASpec, chunk_cumsum, from_layout, gate_gradient_from, make_layout, to_layout)
 from forgeax.kernels.triton import gated_linear_attention_backward as backward
+from forgeax.kernels.triton.attention_tiles import dot
 from forgeax.kernels.triton.gated_linear_attention_backward import diagonal_scores
 from forgeax.kernels.triton.launch import triton_call
 
@@ -71,7 +72,7 @@ def _states_forward(K_, V_, B_, INIT, STARTS, ENDS, H, FINAL,
         last = tl.load(B_ + ((r * TP + c * C + C - 1) * N + n) * KD + rk, mask=mk, other=0.0)
         v = tl.load(V_ + rows[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
         ke = (k.to(tl.float32) * tl.exp(last[None, :] - b)).to(v.dtype)
-        state = state * tl.exp(last)[:, None] + tl.dot(tl.trans(ke), v, input_precision=PRECISION)
+        state = state * tl.exp(last)[:, None] + dot(tl.trans(ke), v, PRECISION)
     end = tl.load(ENDS + r * (NC + 1) + NC)
     if end >= 0:
         tl.store(FINAL + (end * N + n) * KD * VD + tile, state, mask=m2)
@@ -97,19 +98,19 @@ def _output_forward(Q_, K_, V_, B_, H, O,
     ref = tl.load(B_ + ((r * TP + i * 16) * N + n) * KD + rk, mask=mk, other=0.0)
     dt = q.dtype
     h = tl.load(H + ((r * N + n) * NC + c) * KD * VD + rk[:, None] * VD + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    acc = tl.dot((q.to(tl.float32) * tl.exp(b)).to(dt), h.to(dt), input_precision=PRECISION)
+    acc = dot((q.to(tl.float32) * tl.exp(b)).to(dt), h.to(dt), PRECISION)
     qe = (q.to(tl.float32) * tl.exp(b - ref[None, :])).to(dt)
     for j in range(j0, i):
         rows_j = (r * TP + j * 16 + tl.arange(0, 16)) * N + n
         k = tl.load(K_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
         bj = tl.load(B_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
         ke = (k.to(tl.float32) * tl.exp(ref[None, :] - bj)).to(dt)
-        scores = tl.dot(qe, tl.trans(ke), input_precision=PRECISION)
+        scores = dot(qe, tl.trans(ke), PRECISION)
         v = tl.load(V_ + rows_j[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
-        acc += tl.dot(scores.to(dt), v, input_precision=PRECISION)
+        acc += dot(scores.to(dt), v, PRECISION)
     scores = diagonal_scores(Q_, K_, B_, rows, KD, BK, BKD)
     v = tl.load(V_ + rows[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
-    acc += tl.dot(scores.to(dt), v, input_precision=PRECISION)
+    acc += dot(scores.to(dt), v, PRECISION)
     tl.store(O + rows[:, None] * VD + rv[None, :], (SCALE * acc).to(O.dtype.element_ty), mask=mv[None, :])
 
 
@@ -156,15 +157,11 @@ def candidate_configs(q, k, v, *args, **kwargs) -> list[GLATritonConfig]:
 # ----------------------------------------------------------------------------- launch
 
 
-def _precision(dtype) -> str:
-    return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
-
-
 def _forward(q, k, v, b, init, starts, ends, *, scale: float, chunk: int, config: GLATritonConfig):
     r, tp, n, kd = q.shape
     vd, nc, seqs = v.shape[3], tp // chunk, init.shape[0]
     bs = min(config.block_state, _pow2_at_least(max(kd, 16)), _pow2_at_least(max(vd, 16)))
-    dims = dict(N=n, TP=tp, KD=kd, VD=vd, NC=nc, C=chunk, PRECISION=_precision(q.dtype))
+    dims = dict(N=n, TP=tp, KD=kd, VD=vd, NC=nc, C=chunk, PRECISION=backward.dot_mode(q.dtype))
     h, final = triton_call(
         k, v, b, init, starts, ends, kernel=_states_forward,
         out_shape=(jax.ShapeDtypeStruct((r, n, nc, kd, vd), jnp.float32), jax.ShapeDtypeStruct((seqs, n, kd, vd), jnp.float32)),
@@ -198,14 +195,7 @@ def _differentiable(scale: float, chunk: int, config: GLATritonConfig):
         do, dfinal = cotangents
         dq, dk, dv, dinit = backward.gradients(q, k, v, b, starts, ends, h, do.astype(q.dtype), dfinal,
                                                seqs=init.shape[0], scale=scale, chunk=chunk, config=config)
-        db = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk
-        # The final state is exp(b_T) * (...): its cotangent reaches b at each sequence's end.
-        ends_here = ends[:, 1:]
-        term = jnp.sum(dfinal * final, axis=-1)[jnp.maximum(ends_here, 0)]  # [R, NC, N, K]
-        term = jnp.where((ends_here >= 0)[..., None, None], term, 0.0)
-        r, tp = q.shape[:2]
-        db = db.reshape(r, tp // chunk, chunk, *db.shape[2:]).at[:, :, -1].add(term).reshape(db.shape)
-        dg = gate_gradient(db, starts, chunk)
+        dg = gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype), dinit.astype(init.dtype),
                 None, None)
 

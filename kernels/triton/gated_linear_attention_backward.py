@@ -20,8 +20,18 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.gated_linear_attention import SUB_CHUNK
+from forgeax.kernels.triton.attention_tiles import dot
 from forgeax.kernels.triton.launch import triton_call
+
+
+def dot_mode(dtype) -> int:
+    """attention_tiles.dot's mode: 2 in the interpreter (it would multiply bf16 bit patterns),
+    1 for f32 (3 TF32 products: about f32 accuracy on tensor cores), 0 native 16-bit."""
+    if interpret_enabled():
+        return 2
+    return 1 if jnp.dtype(dtype) == jnp.float32 else 0
 
 
 @triton.jit
@@ -72,7 +82,7 @@ def _states_backward(Q_, B_, DO, STARTS, ENDS, DFINAL, DH, DINIT,
         last = tl.load(B_ + ((r * TP + c * C + C - 1) * N + n) * KD + rk, mask=mk, other=0.0)
         do = tl.load(DO + rows[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
         qe = (q.to(tl.float32) * tl.exp(b)).to(do.dtype)
-        dstate = dstate * tl.exp(last)[:, None] + SCALE * tl.dot(tl.trans(qe), do, input_precision=PRECISION)
+        dstate = dstate * tl.exp(last)[:, None] + SCALE * dot(tl.trans(qe), do, PRECISION)
         start = tl.load(STARTS + r * NC + c)
         if start >= 0:
             tl.store(DINIT + (start * N + n) * KD * VD + tile, dstate, mask=m2)
@@ -108,17 +118,17 @@ def _dqk_backward(Q_, K_, V_, B_, DO, H, DH, DQ, DK,
     m2 = mk[:, None] & mv[None, :]
     h = tl.load(H + state, mask=m2, other=0.0)
     dh = tl.load(DH + state, mask=m2, other=0.0)
-    dq = tl.exp(b) * tl.dot(do, tl.trans(h.to(dt)), input_precision=PRECISION)
-    dk_state = tl.exp(chunk_last[None, :] - b) * tl.dot(v, tl.trans(dh.to(dt)), input_precision=PRECISION)
+    dq = tl.exp(b) * dot(do, tl.trans(h.to(dt)), PRECISION)
+    dk_state = tl.exp(chunk_last[None, :] - b) * dot(v, tl.trans(dh.to(dt)), PRECISION)
     acc = tl.zeros([16, BK], dtype=tl.float32)
     for j in range(j0, i):
         rows_j = (r * TP + j * 16 + t) * N + n
         vj = tl.load(V_ + rows_j[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
         kj = tl.load(K_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
         bj = tl.load(B_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
-        da = tl.dot(do, tl.trans(vj), input_precision=PRECISION)
+        da = dot(do, tl.trans(vj), PRECISION)
         ke = (kj.to(tl.float32) * tl.exp(first[None, :] - bj)).to(dt)
-        acc += tl.dot(da.to(dt), ke, input_precision=PRECISION)
+        acc += dot(da.to(dt), ke, PRECISION)
     dq += tl.exp(b - first[None, :]) * acc
     acc = tl.zeros([16, BK], dtype=tl.float32)
     for j in range(i + 1, j1):
@@ -126,12 +136,12 @@ def _dqk_backward(Q_, K_, V_, B_, DO, H, DH, DQ, DK,
         doj = tl.load(DO + rows_j[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
         qj = tl.load(Q_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
         bj = tl.load(B_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
-        da = tl.dot(doj, tl.trans(v), input_precision=PRECISION)  # [rows of j, rows of i]
+        da = dot(doj, tl.trans(v), PRECISION)  # [rows of j, rows of i]
         qe = (qj.to(tl.float32) * tl.exp(bj - last_row[None, :])).to(dt)
-        acc += tl.dot(tl.trans(da).to(dt), qe, input_precision=PRECISION)
+        acc += dot(tl.trans(da).to(dt), qe, PRECISION)
     dk_intra = tl.exp(last_row[None, :] - b) * acc
     causal = t[:, None] >= t[None, :]
-    da = tl.where(causal, tl.dot(do, tl.trans(v), input_precision=PRECISION), 0.0)
+    da = tl.where(causal, dot(do, tl.trans(v), PRECISION), 0.0)
     decay = tl.exp(tl.where(causal[:, :, None], b[:, None, :] - b[None, :, :], float("-inf")))  # [t, s, BK]
     dq += tl.sum(da[:, :, None] * k.to(tl.float32)[None, :, :] * decay, axis=1)
     dk_intra += tl.sum(da[:, :, None] * q.to(tl.float32)[:, None, :] * decay, axis=0)
@@ -164,7 +174,7 @@ def _dv_backward(Q_, K_, B_, DO, DH, DV,
     dt = do.dtype
     dh = tl.load(DH + ((r * N + n) * NC + c) * KD * VD + rk[:, None] * VD + rv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0)
-    dv = tl.dot((k.to(tl.float32) * tl.exp(chunk_last[None, :] - b)).to(dt), dh.to(dt), input_precision=PRECISION)
+    dv = dot((k.to(tl.float32) * tl.exp(chunk_last[None, :] - b)).to(dt), dh.to(dt), PRECISION)
     ke = (k.to(tl.float32) * tl.exp(last_row[None, :] - b)).to(dt)
     acc = tl.zeros([16, BV], dtype=tl.float32)
     for j in range(i + 1, j1):
@@ -173,10 +183,10 @@ def _dv_backward(Q_, K_, B_, DO, DH, DV,
         bj = tl.load(B_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
         doj = tl.load(DO + rows_j[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
         qe = (qj.to(tl.float32) * tl.exp(bj - last_row[None, :])).to(dt)
-        scores = tl.dot(qe, tl.trans(ke), input_precision=PRECISION)  # [rows of j, rows of i]
-        acc += tl.dot(tl.trans(scores).to(dt), doj, input_precision=PRECISION)
+        scores = dot(qe, tl.trans(ke), PRECISION)  # [rows of j, rows of i]
+        acc += dot(tl.trans(scores).to(dt), doj, PRECISION)
     scores = diagonal_scores(Q_, K_, B_, rows, KD, BK, BKD)
-    acc += tl.dot(tl.trans(scores).to(dt), do, input_precision=PRECISION)
+    acc += dot(tl.trans(scores).to(dt), do, PRECISION)
     tl.store(DV + rows[:, None] * VD + rv[None, :], dv + SCALE * acc, mask=mv[None, :])
 
 
@@ -188,8 +198,7 @@ def gradients(q, k, v, b, starts, ends, h, do, dfinal, *, seqs: int, scale: floa
     """(dq f32, dk f32, dv f32, d initial states f32) on the chunk layout."""
     r, tp, n, kd = q.shape
     vd, nc = v.shape[3], tp // chunk
-    precision = "ieee" if jnp.dtype(q.dtype) == jnp.float32 else "tf32"
-    dims = dict(N=n, TP=tp, KD=kd, VD=vd, NC=nc, C=chunk, SCALE=scale, PRECISION=precision)
+    dims = dict(N=n, TP=tp, KD=kd, VD=vd, NC=nc, C=chunk, SCALE=scale, PRECISION=dot_mode(q.dtype))
     bs = min(config.block_state, _pow2_at_least(max(kd, 16)), _pow2_at_least(max(vd, 16)))
     dh, dinit = triton_call(
         q, b, do, starts, ends, dfinal.astype(jnp.float32), kernel=_states_backward,
