@@ -79,7 +79,7 @@ def test_triton_candidate_configs_lower():
     B, T, N, K, H, bs, W, dtype, causal, cap = case
     spec = SparseAttentionSpec(block_size=bs, causal=causal, scale=1 / math.sqrt(H))
     configs = module.candidate_configs(*_args(B, T, N, K, H, bs, W, dtype), spec=spec)
-    for config in configs[1:5]:  # heads halved and doubled in each half (the register-heavy ones)
+    for config in (configs[3], configs[4]):  # heads doubled in the forward / dQ, then in dK/dV (most registers)
         assert _lowered_counts(module, case, "cuda", "triton_kernel_call", config) == (1, 3), config
 
 

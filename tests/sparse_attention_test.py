@@ -84,7 +84,7 @@ if _ON_GPU:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_reference(backend, case):
     *shape, dtype, options = case
-    if backend in _SLOW_INTERPRETER and shape[1] != 63:
+    if backend in _SLOW_INTERPRETER and shape[2] != 130:
         pytest.skip("interpreter time: the Mosaic TPU interpreter runs the T != S case (GQA, causal, f16)")
     conformance.assert_conforms(_case(*shape, dtype, seed=sum(shape), **options), backend)
 

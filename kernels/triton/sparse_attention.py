@@ -292,7 +292,7 @@ def _dkdv_kernel(Q, K, V, ROWS, COUNTS, MASKS, DO, LSE, DELTA, DK, DV, T: tl.con
                  BS: tl.constexpr, GH: tl.constexpr, DOT: tl.constexpr):
     NQ: tl.constexpr = (T + BS - 1) // BS
     NK: tl.constexpr = (S + BS - 1) // BS
-    j = tl.num_programs(0) - 1 - tl.program_id(0)  # early key blocks have the most readers
+    j = tl.program_id(0)  # early key blocks first: under causal selection they have the most readers
     bk = tl.program_id(1)
     b = bk // KH
     kh = bk % KH
