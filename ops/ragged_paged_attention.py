@@ -47,9 +47,11 @@ def _check_cu_q_lens(cu_q_lens, num_rows: int) -> int:
         down = np.nonzero(np.diff(cu) < 0)[0]
         if down.size:
             i = int(down[0])
-            raise ValueError(f"cu_q_lens: must be nondecreasing, got cu_q_lens[{i}] = {cu[i]} > cu_q_lens[{i + 1}] = {cu[i + 1]}")
+            raise ValueError(f"cu_q_lens: must be nondecreasing, got cu_q_lens[{i}] = {cu[i]} > "
+                             f"cu_q_lens[{i + 1}] = {cu[i + 1]}")
         if cu[0] < 0 or cu[-1] > num_rows:
-            raise ValueError(f"cu_q_lens: values must lie in [0, q.shape[0] = {num_rows}], got first {cu[0]} and last {cu[-1]}")
+            raise ValueError(f"cu_q_lens: values must lie in [0, q.shape[0] = {num_rows}], got first {cu[0]} "
+                             f"and last {cu[-1]}")
     return int(cu_q_lens.shape[0]) - 1
 
 

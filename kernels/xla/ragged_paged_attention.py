@@ -10,7 +10,6 @@ obviously right, not fast. Differentiable by JAX autodiff as a function (the op 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
@@ -67,7 +66,10 @@ def ragged_paged_attention(q: Float[Array, "T N H"], k_pages: Float[Array, "P PS
     per_row = M * PS * KV * (H + v_pages.shape[3]) * 4
     chunk = max(1, min(T, _CHUNK_BYTES // per_row))
     padded = -(-T // chunk) * chunk
-    pad = lambda a: jnp.pad(a, ((0, padded - T),) + ((0, 0),) * (a.ndim - 1)).reshape((padded // chunk, chunk) + a.shape[1:])  # noqa: E731
+
+    def pad(a):  # [T, ...] -> [chunks, chunk, ...], rows past T invalid (valid pads with False)
+        a = jnp.pad(a, ((0, padded - T),) + ((0, 0),) * (a.ndim - 1))
+        return a.reshape((padded // chunk, chunk) + a.shape[1:])
 
     def one_chunk(args):
         qc, seqc, jc, qlc, kvc, validc = args
