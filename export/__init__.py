@@ -14,6 +14,8 @@ kernels lower to these custom calls:
     jax.export.deserialize(blob).call(params, batch)
 
 or pass `disabled_checks=forgeax.export.disabled_checks()` to `jax.export.export` yourself.
+`cached(fn, key=...)` keeps a function's exported program on disk so that a new process skips
+tracing and lowering (where Triton and Mosaic GPU kernels are built).
 What cannot be exported: calls traced in interpret mode (the Triton, Mosaic GPU and Mosaic TPU
 interpreters run as host callbacks, which `jax.export` refuses); `export` below therefore traces
 with interpret mode off. An exported Triton or Mosaic GPU kernel runs only on the GPU
@@ -23,14 +25,18 @@ custom-call ABI matches (no cross-version guarantee: why JAX does not list them 
 
 from __future__ import annotations
 
+import hashlib
+import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
+from forgeax.core import runtime
 from forgeax.core.runtime import interpret_mode
 
-__all__ = ["CUSTOM_CALL_TARGETS", "disabled_checks", "export"]
+__all__ = ["CUSTOM_CALL_TARGETS", "cached", "disabled_checks", "export"]
 
 # Every custom-call target a forgeax kernel emits (tests/export_test.py checks that lowering
 # forgeax's kernels produces no other unstable target).
@@ -64,3 +70,68 @@ def export(fn: Callable[..., Any], *, platforms: Sequence[str] | None = None,
             return exporter(*args, **kwargs)
 
     return run
+
+
+def _cache_directory(directory: str | None) -> str:
+    directory = directory or os.environ.get("FORGEAX_EXPORT_CACHE_DIR", "").strip() or None
+    if directory is None and jax.config.jax_compilation_cache_dir:
+        directory = os.path.join(jax.config.jax_compilation_cache_dir, "forgeax-export")
+    if directory is None:
+        raise ValueError("directory: give one, or set FORGEAX_EXPORT_CACHE_DIR or jax_compilation_cache_dir")
+    return directory
+
+
+def _signature(key: str, args: Any, kwargs: Any) -> str:
+    """What decides the traced program besides `fn`'s code: the arguments' structure, shapes and
+    dtypes, where it runs, the versions, interpret mode and the active tuning."""
+    from forgeax import __version__  # noqa: PLC0415 - the package imports this module
+    from forgeax.core import tuning  # noqa: PLC0415
+
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    avals = [(tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False))) if hasattr(a, "shape") else repr(a)
+             for a in leaves]
+    sources = [(label, t.dumps()) for label, t in tuning.sources()]
+    parts = [key, str(tree), repr(avals), runtime.current_platform(), runtime.current_device_kind(),
+             str(runtime.interpret_enabled()), jax.__version__, __version__, repr(sources)]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:32]
+
+
+def cached(fn: Callable[..., Any], *, key: str, directory: str | None = None) -> Callable[..., Any]:
+    """`jax.jit(fn)` whose traced and lowered program is kept on disk (`jax.export`), so that a
+    new process skips tracing and lowering, where Triton and Mosaic GPU kernels compile (seconds
+    per kernel; JAX's persistent compilation cache starts after lowering). With JAX's cache also
+    set, the warm process compiles nothing either.
+
+    `key` names `fn`'s code: change it whenever `fn` or anything it calls changes (Python code is
+    not hashed; a stale key runs the old program). Entries are also keyed by the arguments'
+    structure, shapes and dtypes, the platform and device kind, the JAX and forgeax versions,
+    interpret mode and the active tunings. The directory is `directory`, else
+    FORGEAX_EXPORT_CACHE_DIR, else `<jax_compilation_cache_dir>/forgeax-export`. The result is
+    not differentiable (export the whole training step, gradient included); keyword arguments
+    must be arrays (pytrees), like the positional ones.
+    """
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+    loaded: dict[str, jax.export.Exported] = {}
+    lock = threading.Lock()
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        signature = _signature(key, args, kwargs)
+        with lock:
+            exported = loaded.get(signature)
+            if exported is None:
+                folder = _cache_directory(directory)
+                path = os.path.join(folder, f"{signature}.jax_export")
+                try:
+                    with open(path, "rb") as f:
+                        exported = jax.export.deserialize(bytearray(f.read()))
+                except (OSError, ValueError):
+                    exported = export(jitted)(*args, **kwargs)
+                    os.makedirs(folder, exist_ok=True)
+                    tmp = f"{path}.{os.getpid()}.tmp"
+                    with open(tmp, "wb") as f:
+                        f.write(exported.serialize())
+                    os.replace(tmp, path)
+                loaded[signature] = exported
+        return exported.call(*args, **kwargs)
+
+    return call
