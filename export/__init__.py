@@ -111,14 +111,14 @@ def cached(fn: Callable[..., Any], *, key: str, directory: str | None = None) ->
     must be arrays (pytrees), like the positional ones.
     """
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-    loaded: dict[str, jax.export.Exported] = {}
+    loaded: dict[str, Callable[..., Any]] = {}  # signature -> jitted call of the exported program
     lock = threading.Lock()
 
     def call(*args: Any, **kwargs: Any) -> Any:
         signature = _signature(key, args, kwargs)
         with lock:
-            exported = loaded.get(signature)
-            if exported is None:
+            run = loaded.get(signature)
+            if run is None:
                 folder = _cache_directory(directory)
                 path = os.path.join(folder, f"{signature}.jax_export")
                 try:
@@ -131,7 +131,7 @@ def cached(fn: Callable[..., Any], *, key: str, directory: str | None = None) ->
                     with open(tmp, "wb") as f:
                         f.write(exported.serialize())
                     os.replace(tmp, path)
-                loaded[signature] = exported
-        return exported.call(*args, **kwargs)
+                run = loaded[signature] = jax.jit(exported.call)  # jit: one dispatch per call
+        return run(*args, **kwargs)
 
     return call
