@@ -145,6 +145,22 @@ def test_decode_jit_does_not_retrace_for_new_lengths(backend):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ops.decode_attention(q, k, v, lens2, backend="xla")), atol=2e-5)
 
 
+@pytest.mark.parametrize("backend", sorted(set(PAGED_BACKENDS) & set(DECODE_BACKENDS)))
+def test_vmap_over_requests_and_caches(backend):
+    """vmap over a second batch axis: of the requests over one shared page pool, and of caches."""
+    q, kp, vp, lens, table, k, v = _paged_inputs("gqa4_f32", seed=9)
+    qs = jnp.stack([q, q * 0.5])
+    lens_s = jnp.stack([lens, jnp.asarray([3, 0, 20], jnp.int32)])
+    tables = jnp.stack([table, jnp.maximum(table, 0)[::-1]])
+    got = jax.jit(jax.vmap(lambda q, l, t: ops.paged_attention(q, kp, vp, l, t, backend=backend)))(qs, lens_s, tables)
+    want = [ops.paged_attention(qs[i], kp, vp, lens_s[i], tables[i], backend="xla") for i in range(2)]
+    np.testing.assert_allclose(np.asarray(got), np.stack(want), atol=2e-5)
+    ks = jnp.stack([k, -k])
+    got = jax.jit(jax.vmap(lambda k, q, l: ops.decode_attention(q, k, v, l, backend=backend)))(ks, qs, lens_s)
+    want = [ops.decode_attention(qs[i], ks[i], v, lens_s[i], backend="xla") for i in range(2)]
+    np.testing.assert_allclose(np.asarray(got), np.stack(want), atol=2e-5)
+
+
 def test_traced_out_of_range_page_ids_are_clamped():
     q, kp, vp, lens, table, _, _ = _paged_inputs("gqa4_f32", seed=5)
     bad = table.at[2, 0].set(10_000).at[2, 1].set(-7)

@@ -33,6 +33,7 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
+from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.paged import PagedSpec, cdiv
 from forgeax.kernels.triton.attention_tiles import LN2, LOG2E, dot
 from forgeax.kernels.triton.elementwise import tanh
@@ -208,11 +209,15 @@ def _run(q, k, v, lengths, page_table, spec: PagedSpec, config: PagedAttentionCo
 
 
 def paged_attention(q, k_pages, v_pages, lengths, page_table, *, spec: PagedSpec, config: PagedAttentionConfig):
-    return _run(q, k_pages, v_pages, lengths, page_table, spec, config)
+    # vmap folds into the requests (q, lengths, page_table) over a shared page pool; a vmapped
+    # pool loops (lax.map).
+    run = lambda q, kp, vp, lens, table: _run(q, kp, vp, lens, table, spec, config)  # noqa: E731
+    return fold_vmap_into_rows(run, row_args=(0, 3, 4))(q, k_pages, v_pages, lengths, page_table)
 
 
 def decode_attention(q, k, v, lengths, *, spec: PagedSpec, config: PagedAttentionConfig):
-    return _run(q, k, v, lengths, None, spec, config)
+    run = lambda q, k, v, lens: _run(q, k, v, lens, None, spec, config)  # noqa: E731
+    return fold_vmap_into_rows(run, row_args=(0, 1, 2, 3))(q, k, v, lengths)
 
 
 def _supports(q, k, v) -> str | None:

@@ -33,6 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
+from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.paged import PagedSpec, cdiv, contiguous_as_pages
 
 _div, _rem = jax.lax.div, jax.lax.rem  # of non-negative ints: no floor-division sign fix-ups to lower
@@ -128,7 +129,10 @@ def _paged(q, k_pages, v_pages, lengths, page_table, spec: PagedSpec):
 
 
 def paged_attention(q, k_pages, v_pages, lengths, page_table, *, spec: PagedSpec):
-    return _paged(q, k_pages, v_pages, lengths, page_table, spec)
+    # vmap folds into the requests (q, lengths, page_table) over a shared page pool (Pallas has no
+    # batching rule for scalar-prefetched operands); a vmapped pool loops (lax.map).
+    run = lambda q, kp, vp, lens, table: _paged(q, kp, vp, lens, table, spec)  # noqa: E731
+    return fold_vmap_into_rows(run, row_args=(0, 3, 4))(q, k_pages, v_pages, lengths, page_table)
 
 
 def contiguous_page_size(S: int) -> int:
@@ -140,12 +144,17 @@ def contiguous_page_size(S: int) -> int:
     return min(128, cdiv(S, 8) * 8)
 
 
-def decode_attention(q, k, v, lengths, *, spec: PagedSpec):
+def _decode(q, k, v, lengths, spec: PagedSpec):
     page = contiguous_page_size(k.shape[1])
     k_pages, table = contiguous_as_pages(k, page)
     v_pages, _ = contiguous_as_pages(v, page)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, k.shape[1])
     return _paged(q, k_pages, v_pages, lengths, table, spec)
+
+
+def decode_attention(q, k, v, lengths, *, spec: PagedSpec):
+    run = lambda q, k, v, lens: _decode(q, k, v, lens, spec)  # noqa: E731
+    return fold_vmap_into_rows(run, row_args=(0, 1, 2, 3))(q, k, v, lengths)
 
 
 def _supports(q, *args, **kwargs) -> str | None:
