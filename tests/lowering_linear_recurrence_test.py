@@ -68,3 +68,36 @@ def test_pallas_tpu_linear_recurrence_lowers_for_tpu(shape, dtype, reverse, with
     forward, backward = _recurrence_lowerings(module, shape, dtype, reverse, with_h0, "tpu")
     assert forward.count(TPU) == 1
     assert backward.count(TPU) == 2  # the forward and the backward recurrence
+
+
+# ([B, T, D], dtype, num segments or None for lengths): a Llama-like shape, odd shapes, f32's
+# IEEE products, the most segments the kernel takes.
+MEAN_POOL_CASES = [
+    ((8, 4096, 4096), jnp.bfloat16, None),
+    ((8, 4096, 4096), jnp.bfloat16, 16),
+    ((3, 1000, 130), jnp.float32, 5),
+    ((2, 65, 24), jnp.float16, 128),
+    ((1, 1, 7), jnp.float32, None),
+]
+
+
+@needs_compiled_triton
+@pytest.mark.parametrize("shape,dtype,segments", MEAN_POOL_CASES, ids=str)
+def test_triton_mean_pool_lowers_for_sm90(shape, dtype, segments):
+    from forgeax.kernels.triton import mean_pool as module
+
+    impl = module.MEAN_POOL
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    lengths = None if segments else jax.ShapeDtypeStruct(shape[:1], jnp.int32)
+    ids = jax.ShapeDtypeStruct(shape[:2], jnp.int32) if segments else None
+    config = impl.heuristic_config(x, lengths, ids, num_segments=segments)
+
+    def forward(x, lengths, ids):
+        return impl.fn(x, lengths, ids, num_segments=segments, config=config)
+
+    def backward(x, lengths, ids):
+        out, pull = jax.vjp(lambda x: forward(x, lengths, ids), x)
+        return pull(out)
+
+    assert conformance.lowered_text(forward, x, lengths, ids, platform="cuda").count(TRITON) == 1
+    assert conformance.lowered_text(backward, x, lengths, ids, platform="cuda").count(TRITON) == 2

@@ -71,11 +71,11 @@ def _forward_kernel(
         if S == 1:
             acc += tl.sum(x.to(tl.float32), axis=0)
         else:
-            one_hot = (s[:, None] == ids[None, :]).to(x.dtype)
-            if IEEE:
-                acc = tl.dot(one_hot, x, acc, input_precision="ieee")
+            if IEEE:  # f32 x, or the interpreter (whose dot multiplies bf16 bit patterns)
+                one_hot = (s[:, None] == ids[None, :]).to(tl.float32)
+                acc = tl.dot(one_hot, x.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(one_hot, x, acc)
+                acc = tl.dot((s[:, None] == ids[None, :]).to(x.dtype), x, acc)
     if S == 1:
         inv = tl.load(INV + b)
         tl.store(OUT + b * D + d, (acc * inv).to(OUT.dtype.element_ty), mask=d_ok)
@@ -174,7 +174,7 @@ def _forward(x, lengths, segment_ids, inv, *, s: int, config: MeanPoolConfig):
         grid=(b, triton.cdiv(d, config.block_d)), num_warps=config.num_warps, num_stages=1,
         T=t, D=d, S=s, S_PAD=max(16, _pow2_at_least(s)), HAS_SEG=segment_ids is not None,
         TILES=triton.cdiv(t, config.block_t), BLOCK_T=config.block_t, BLOCK_D=config.block_d,
-        WIDE=b * t * d >= 2**31, IEEE=jnp.dtype(x.dtype) == jnp.dtype(_F32))
+        WIDE=b * t * d >= 2**31, IEEE=jnp.dtype(x.dtype) == jnp.dtype(_F32) or interpret_enabled())
 
 
 def _backward(gs, lengths, segment_ids, *, t: int, x_dtype, s: int, config: MeanPoolConfig):
