@@ -29,8 +29,9 @@ _ON_TPU = interface.current_platform() == "tpu"
 
 # (q_len, kv_len) per sequence: a fresh prefill of 63, a decode, a chunked prefill of 65 over 100
 # keys, a decode over an empty cache (kv_len 0: gives 0), a sequence with no queries this step,
-# a prefill of 1, a decode at a page boundary. Then `pad` rows past cu_q_lens[-1] (give 0).
-MIXED = ((63, 63), (1, 37), (65, 100), (1, 0), (0, 20), (1, 1), (1, 64))
+# a prefill of 1, a decode at a page boundary, more queries than keys (the first query sits at
+# key position -1: no key, gives 0). Then `pad` rows past cu_q_lens[-1] (give 0).
+MIXED = ((63, 63), (1, 37), (65, 100), (1, 0), (0, 20), (1, 1), (1, 64), (3, 2))
 DECODES = ((1, 5), (1, 16), (1, 17), (1, 0), (1, 90))
 
 
