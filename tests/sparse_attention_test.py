@@ -67,7 +67,7 @@ def _case(B, T, S, N, K, H, bs, W, dtype, *, causal=False, cap=None, seed=0, idx
 CASES = [
     (1, 1, 1, 2, 1, 16, 16, 2, jnp.float32, dict(causal=True)),
     (1, 63, 63, 4, 2, 32, 16, 3, jnp.float32, dict()),
-    (2, 65, 65, 4, 2, 16, 16, 4, jnp.float32, dict(causal=True, cap=5.0)),
+    (2, 65, 65, 2, 1, 16, 16, 4, jnp.float32, dict(causal=True, cap=5.0)),
     (1, 65, 65, 2, 1, 64, 64, 2, jnp.bfloat16, dict(causal=True)),
     (1, 63, 130, 4, 1, 32, 64, 2, jnp.float16, dict(causal=True)),
 ]
@@ -92,7 +92,7 @@ def test_matches_reference(backend, case):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_every_block_selected_equals_dense_attention(backend, causal):
-    if backend in _SLOW_INTERPRETER:
+    if backend != "xla" and interface.current_platform() == "cpu":
         pytest.skip("interpreter time: implied by test_matches_reference and the reference's own check here")
     B, T, N, K, H, bs = 1, 48, 4, 2, 16, 16  # whole blocks: the kernels' unmasked loads
     q, k, v = _qkv(B, T, T, N, K, H, jnp.float32, 7)
