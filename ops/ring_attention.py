@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
+from forgeax.kernels.common.batching import ManualAxes
 from forgeax.ops.attention import attention
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -101,6 +102,11 @@ class _Ring:
         perm = [(d, (d + 1) % self.n) for d in range(self.n)]
         return tuple(jax.lax.ppermute(x, self.axis_name, perm) for x in xs)
 
+    def varying(self, x):
+        """x typed as varying over the ring axis, as every branch of a switch must be: constants are
+        not, and neither are the outputs of kernel calls (Pallas, Triton) that drop the type."""
+        return ManualAxes((self.axis_name,)).apply(x)
+
     def block(self, q, k, v, q_seg, kv_seg, me, src):
         """(out f32, lse) of the local queries against the key shard of device `src`."""
         m = len(chunk_ids(0, self.n, self.layout))
@@ -128,13 +134,11 @@ class _Ring:
         def run(causal=False, mask=None):
             out, lse = attention(q, k, v, causal=causal, mask=mask, segment_ids=seg, return_lse=True,
                                  backend=self.backend, **self.options)
-            return out.astype(jnp.float32), lse
+            return self.varying(out.astype(jnp.float32)), self.varying(lse)
 
         def skip():
-            # Constants do not vary over the ring axis; the other branches' results do.
-            varying = functools.partial(jax.lax.pcast, axis_name=self.axis_name, to="varying")
-            return (varying(jnp.zeros(q.shape[:-1] + (v.shape[-1],), jnp.float32)),
-                    varying(jnp.full(q.shape[:3], -jnp.inf, jnp.float32)))
+            return (self.varying(jnp.zeros(q.shape[:-1] + (v.shape[-1],), jnp.float32)),
+                    self.varying(jnp.full(q.shape[:3], -jnp.inf, jnp.float32)))
 
         if self.window is not None:
             left, right = self.window

@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.batching import ManualAxes, fold_vmap_into_rows
 
 Array = jax.Array
 
@@ -244,20 +244,20 @@ def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[A
     def attention_fwd(q, k, v, bias, mask, qseg, kvseg, seed, spec):
         args = (q, k, v, bias, mask, qseg, kvseg, seed)
         out, lse = forward(args, spec)
-        return (out, lse), (args, out, lse)
+        return (out, lse), (args, out, lse, ManualAxes.of(q, k, v, bias))
 
     def attention_bwd(spec, residuals, cotangents):
-        args, out, lse = residuals
+        args, out, lse, axes = residuals
         dout, dlse = cotangents
         dq, dk, dv, dbias = backward(args, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32), spec)
         q, k, v, bias, mask, qseg, kvseg, seed = args
         zero_int = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)
         dbias = None if bias is None else dbias.astype(bias.dtype)
         return (
-            dq.astype(q.dtype),
-            dk.astype(k.dtype),
-            dv.astype(v.dtype),
-            dbias,
+            axes.apply(dq.astype(q.dtype)),
+            axes.apply(dk.astype(k.dtype)),
+            axes.apply(dv.astype(v.dtype)),
+            axes.apply(dbias),
             zero_int(mask),
             zero_int(qseg),
             zero_int(kvseg),

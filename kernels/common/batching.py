@@ -7,6 +7,7 @@ the same kernel over more rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,3 +58,34 @@ def fold_vmap_into_rows(fn: Callable[..., Any], row_args: Sequence[int]) -> Call
         return out, jax.tree.map(lambda _: True, out)
 
     return functools.wraps(fn)(wrapped)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The `shard_map` mesh axes the value `x` varies over (empty outside shard_map)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()) or ())
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ManualAxes:
+    """The `shard_map` mesh axes a custom_vjp's inputs vary over, kept as a static residual.
+
+    Inside `shard_map`, JAX types values by the manual mesh axes they vary over, and a
+    custom_vjp's backward must return gradients typed like its primal inputs. Kernel calls
+    (Pallas, jax-triton) drop that type from their outputs, and residuals can lose it (a switch's
+    linearisation), so the forward records the inputs' axes for the backward to restore."""
+
+    axes: tuple = ()
+
+    @classmethod
+    def of(cls, *xs: Any) -> "ManualAxes":
+        axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(xs)))
+        return cls(tuple(sorted(axes, key=str)))
+
+    def apply(self, x: jax.Array | None) -> jax.Array | None:
+        """x typed as varying over these axes (unchanged outside shard_map)."""
+        if x is None:
+            return None
+        missing = tuple(a for a in self.axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
