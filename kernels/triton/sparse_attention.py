@@ -86,11 +86,12 @@ def _heads(wanted: int, group: int) -> int:
 def heuristic_config(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> TritonSparseAttentionConfig:
     """About 128 rows per forward / dQ program and per dK/dV tile (FlashAttention-2's 128 x 64
     shape at block_size 64); 8 warps from 128 rows, 4 below. Not tuned on a GPU yet."""
-    del k, v, block_indices
+    del v, block_indices
     if interpret_enabled():
         return TritonSparseAttentionConfig(heads=2, fwd_warps=4, fwd_stages=1, bwd_heads=2, bwd_warps=4, bwd_stages=1)
     heads = max(1, 128 // spec.block_size)
-    warps = 8 if heads * spec.block_size >= 128 and padded_dim(q.shape[3]) >= 64 else 4
+    rows = _heads(heads, q.shape[2] // k.shape[2]) * spec.block_size
+    warps = 8 if rows >= 128 and padded_dim(q.shape[3]) >= 64 else 4
     stages = 2 if jnp.dtype(q.dtype).itemsize == 4 or padded_dim(q.shape[3]) > 128 else 3
     return TritonSparseAttentionConfig(heads=heads, fwd_warps=warps, fwd_stages=stages, bwd_heads=heads,
                                        bwd_warps=warps, bwd_stages=stages)
