@@ -894,3 +894,108 @@ def _sparse_attention_spec() -> Spec:
 
 
 SPECS["sparse_attention"] = _sparse_attention_spec()
+
+
+def _with_config(op_name: str, backend: str | None, fields: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """{"config": the backend's heuristic config with `fields` replaced} ('triton:block_t=32'), or {}."""
+    if not fields:
+        return {}
+    impl = ops.OPS[op_name].implementation(backend)
+    return {"config": impl.heuristic_config(*args, **kwargs).replace(**fields)}
+
+
+def _linear_recurrence_spec() -> Spec:
+    # dims: (B, T, D): x, a [B, T, D] (a in (0.9, 1): long memory), no initial state.
+    shapes = (
+        Shape("mamba-like B8 T16384 D4096", (8, 16384, 4096), "bfloat16"),
+        Shape("small f32", (2, 1024, 256), "float32", small=True),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        kx, ka, kc = jax.random.split(key, 3)
+        x = jax.random.normal(kx, shape.dims, jnp.float32).astype(shape.dtype)
+        a = jax.random.uniform(ka, shape.dims, jnp.float32, 0.9, 1.0).astype(shape.dtype)
+        return x, a, None, jax.random.normal(kc, shape.dims, jnp.float32).astype(shape.dtype)
+
+    def step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+        if mode == "fwd":
+            return jax.jit(lambda x, a, h0, ct: fn(x, a))
+
+        def fwd_bwd(x, a, h0, ct):
+            h, pullback = jax.vjp(fn, x, a)
+            return (h,) + pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        options = dict(options)
+        reverse = options.pop("reverse", False)
+
+        def fn(x, a):
+            config = _with_config("linear_recurrence", backend, options, x, a, None, reverse=reverse)
+            return ops.linear_recurrence(x, a, reverse=reverse, backend=backend, **config)
+
+        return step(fn, mode)
+
+    def xla_associative_scan(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        # What users write: jax.lax.associative_scan over (a, x) in f32, autodiff for the backward.
+        def fn(x, a):
+            def combine(left, right):
+                return left[0] * right[0], right[0] * left[1] + right[1]
+
+            h = jax.lax.associative_scan(combine, (a.astype(jnp.float32), x.astype(jnp.float32)), axis=1)[1]
+            return h.astype(x.dtype)
+
+        return step(fn, mode)
+
+    # fwd: read x and a, write h. fwd+bwd adds: read g, a and h, write dx and da.
+    return Spec("linear_recurrence", shapes, make_inputs, build, _passes_floor(fwd=3, fwd_bwd=8),
+                anchors={"xla_associative_scan": xla_associative_scan}, main_anchor="xla_associative_scan", precheck=False)
+
+
+def _mean_pool_spec() -> Spec:
+    # dims: (B, T, D); option "segments": S packed sequences per row (ids in runs, 1/16 padding),
+    # else per-row lengths in (T/2, T].
+    shapes = (
+        Shape("llama3-8b B8 T4096 D4096 lengths", (8, 4096, 4096), "bfloat16"),
+        Shape("llama3-8b B8 T4096 D4096 16 packed", (8, 4096, 4096), "bfloat16", options=(("segments", 16),)),
+        Shape("small f32", (4, 512, 256), "float32", small=True),
+        Shape("small f32 packed", (4, 512, 256), "float32", small=True, options=(("segments", 8),)),
+    )
+
+    def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
+        b, t, d = shape.dims
+        kx, kl, kc = jax.random.split(key, 3)
+        x = jax.random.normal(kx, shape.dims, jnp.float32).astype(shape.dtype)
+        segments = dict(shape.options).get("segments")
+        if segments:
+            ids = jnp.minimum(jnp.arange(t) * segments // (t - t // 16), segments)  # runs, then padding
+            ids = jnp.broadcast_to(jnp.where(ids >= segments, -1, ids).astype(jnp.int32), (b, t))
+            lengths, out = None, (b, segments, d)
+        else:
+            ids, lengths, out = None, jax.random.randint(kl, (b,), t // 2 + 1, t + 1, jnp.int32), (b, d)
+        return x, lengths, ids, jax.random.normal(kc, out, jnp.float32).astype(shape.dtype)
+
+    def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
+        options = dict(options)
+        segments = options.pop("segments", None)
+
+        def fn(x, lengths, ids):
+            config = _with_config("mean_pool", backend, options, x, lengths, ids, num_segments=segments)
+            return ops.mean_pool(x, lengths=lengths, segment_ids=ids, num_segments=segments, backend=backend, **config)
+
+        if mode == "fwd":
+            return jax.jit(lambda x, lengths, ids, ct: fn(x, lengths, ids))
+
+        def fwd_bwd(x, lengths, ids, ct):
+            out, pullback = jax.vjp(lambda x: fn(x, lengths, ids), x)
+            return (out,) + pullback(ct)
+
+        return jax.jit(fwd_bwd)
+
+    # fwd: read x (the output is T times smaller). fwd+bwd adds: write dx.
+    return Spec("mean_pool", shapes, make_inputs, build, _passes_floor(fwd=1, fwd_bwd=2), precheck=False)
+
+
+SPECS["linear_recurrence"] = _linear_recurrence_spec()
+SPECS["mean_pool"] = _mean_pool_spec()
