@@ -33,7 +33,7 @@ import triton.language as tl
 
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
-from forgeax.core.runtime import interpret_enabled
+from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.triton.launch import triton_call
 
@@ -205,24 +205,29 @@ class LinearRecurrenceConfig(KernelConfig):
 
 
 def heuristic_config(x, a, initial_state=None, **kwargs) -> LinearRecurrenceConfig:
-    """Tiles of 64 steps x 64 channels (32 f32 per thread per array at 4 warps): at B * D = 32768
-    that is 512 programs, ~4 per SM on an H100, each keeping a 16 KiB tile of x and a in flight
-    (~64 KiB per SM, about what HBM3's latency-bandwidth product asks for). The interpreter pays
-    per program and per tile, so there it takes wide channel blocks and scans rows one by one
-    (its tree scan is one Python call per element)."""
+    """Every program walks all of T, so the grid should fit in one wave: the narrowest channel
+    block (32..128) whose B * D / block_d programs fit two per SM (at [8, *, 4096] on 132 SMs:
+    128 channels, 256 programs). A 32 x 128 tile at 4 warps is 32 elements per thread per array
+    (160 registers by ptxas for sm_90, no spills: three programs fit an SM) and keeps 16 KiB of
+    x and a in flight per program. Narrower blocks (small B * D) take 64-step tiles. The
+    interpreter pays per program and per tile, so there it takes wide channel blocks and scans
+    rows one by one (its tree scan is one Python call per element)."""
     del a, initial_state, kwargs
-    _, t, d = x.shape
+    b, t, d = x.shape
     if interpret_enabled():
         return LinearRecurrenceConfig(block_t=min(16, _pow2_at_least(t)), block_d=min(128, _pow2_at_least(d)),
                                       tile_scan="sequential")
-    return LinearRecurrenceConfig(block_t=min(64, _pow2_at_least(t)), block_d=min(64, _pow2_at_least(d)), num_warps=4)
+    block_d = next((w for w in (32, 64) if b * triton.cdiv(d, w) <= 2 * gpu_sm_count()), 128)
+    block_d = min(block_d, max(16, _pow2_at_least(d)))
+    block_t = 32 if block_d >= 128 else 64
+    return LinearRecurrenceConfig(block_t=min(block_t, _pow2_at_least(t)), block_d=block_d, num_warps=4)
 
 
 def candidate_configs(x, a, initial_state=None, **kwargs) -> list[LinearRecurrenceConfig]:
     base = heuristic_config(x, a, initial_state, **kwargs)
     r = base.replace
-    return [base, r(block_t=32), r(block_t=128, num_warps=8), r(block_d=128), r(block_d=128, num_warps=8),
-            r(block_d=32, num_warps=2), r(num_stages=2), r(block_t=32, block_d=128, num_warps=8)]
+    return [base, r(block_t=64), r(block_t=16), r(block_d=64, block_t=64), r(block_d=64, block_t=32, num_warps=2),
+            r(block_d=256, block_t=16, num_warps=8), r(block_d=128, block_t=64, num_warps=8), r(num_stages=2)]
 
 
 # ----------------------------------------------------------------------------- launch
