@@ -5,7 +5,7 @@ x: [B, T, D]; lengths [B] (output [B, D]) or segment_ids [B, T] with S segments 
 batch b is in segment 0 when t < lengths[b], else in none (S = 1).
 
 Forward: program (b, j) owns channels [j*BLOCK_D, (j+1)*BLOCK_D) of batch row b and walks T,
-BLOCK_T rows per tile, summing in f32: with one segment a masked column sum; with S > 1 a
+BLOCK_T rows per tile (the next tile's loads issued before this tile's sums), summing in f32: with one segment a masked column sum; with S > 1 a
 one-hot [S_PAD, BLOCK_T] x [BLOCK_T, BLOCK_D] product on the tensor cores (exact: the one-hot is
 0/1, f32 accumulation; f32 x in IEEE precision, not TF32). The sums are scaled by 1 / count
 (counted in XLA from the ids: [B, T] integers, no x traffic) and stored. x is read once.
@@ -63,11 +63,17 @@ def _forward_kernel(
     else:
         acc = tl.zeros([S_PAD, BLOCK_D], tl.float32)
         s = tl.arange(0, S_PAD)
+    ids_next = _segments(SEG, LEN, b, rows, T, HAS_SEG, S)
+    m = (ids_next >= 0)[:, None] & d_ok[None, :]
+    x_next = tl.load(X + b * T * D + rows[:, None] * D + d[None, :], mask=m, other=0.0)
     for c in range(TILES):
-        t = c * BLOCK_T + rows
-        ids = _segments(SEG, LEN, b, t, T, HAS_SEG, S)
-        m = (ids >= 0)[:, None] & d_ok[None, :]
-        x = tl.load(X + b * T * D + t[:, None] * D + d[None, :], mask=m, other=0.0)
+        x = x_next
+        ids = ids_next
+        # Issue the next tile's loads before this tile's sums (fully masked past the end).
+        t = (c + 1) * BLOCK_T + rows
+        ids_next = _segments(SEG, LEN, b, t, T, HAS_SEG, S)
+        m = (ids_next >= 0)[:, None] & d_ok[None, :]
+        x_next = tl.load(X + b * T * D + t[:, None] * D + d[None, :], mask=m, other=0.0)
         if S == 1:
             acc += tl.sum(x.to(tl.float32), axis=0)
         else:
