@@ -77,7 +77,8 @@ def mean_pool(
         if lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
         _integer_array("lengths", lengths, (b,), "[B] of x")
-        return MEAN_POOL(x, jnp.asarray(lengths).astype(jnp.int32), None, num_segments=None, backend=backend, config=config)
+        return MEAN_POOL(x, jnp.asarray(lengths).astype(jnp.int32), None, num_segments=None, backend=backend,
+                         config=config)
     _integer_array("segment_ids", segment_ids, (b, t), "[B, T] of x")
     if num_segments is None:
         raise ValueError("num_segments: required with segment_ids (the static size of the output's segment axis)")

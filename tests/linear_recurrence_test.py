@@ -158,7 +158,8 @@ def test_reference_is_the_textbook_loop():
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "xla"])
 def test_vmap_matches_reference(backend):
     x, a, h0 = _inputs((3, 17, 24), jnp.float32, "mixed", True, seed=13)
-    xs, as_, hs = x[None].repeat(2, 0) * jnp.array([1.0, -0.5])[:, None, None, None], a[None].repeat(2, 0), h0[None].repeat(2, 0)
+    xs = x[None].repeat(2, 0) * jnp.array([1.0, -0.5])[:, None, None, None]
+    as_, hs = a[None].repeat(2, 0), h0[None].repeat(2, 0)
     got = jax.jit(jax.vmap(lambda x, a, h: _public(x, a, h, backend=backend)))(xs, as_, hs)
     want = jax.jit(jax.vmap(lambda x, a, h: _reference(x, a, h)))(xs, as_, hs)
     assert conformance.relative_error(got, want) < 1e-5

@@ -24,7 +24,8 @@ import conformance
 TRITON = "triton_kernel_call"
 TPU = "@tpu_custom_call"
 _INTERPRETED_TRITON = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
-needs_compiled_triton = pytest.mark.skipif(_INTERPRETED_TRITON, reason="cross-lowering needs compiled Triton: unset TRITON_INTERPRET")
+needs_compiled_triton = pytest.mark.skipif(_INTERPRETED_TRITON,
+                                           reason="cross-lowering needs compiled Triton: unset TRITON_INTERPRET")
 
 # ([B, T, D], dtype, reverse, with initial_state): the benchmark shape, odd T and D, one step.
 RECURRENCE_CASES = [

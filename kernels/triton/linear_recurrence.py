@@ -199,7 +199,8 @@ class LinearRecurrenceConfig(KernelConfig):
             if value & (value - 1):
                 raise ValueError(f"LinearRecurrenceConfig.{name}: expected a power of two, got {value}")
         if self.tile_scan not in ("tree", "sequential"):
-            raise ValueError(f"LinearRecurrenceConfig.tile_scan: expected 'tree' or 'sequential', got {self.tile_scan!r}")
+            raise ValueError(f"LinearRecurrenceConfig.tile_scan: expected 'tree' or 'sequential', "
+                             f"got {self.tile_scan!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"LinearRecurrenceConfig.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
 

@@ -5,9 +5,10 @@ x: [B, T, D]; lengths [B] (output [B, D]) or segment_ids [B, T] with S segments 
 batch b is in segment 0 when t < lengths[b], else in none (S = 1).
 
 Forward: program (b, j) owns channels [j*BLOCK_D, (j+1)*BLOCK_D) of batch row b and walks T,
-BLOCK_T rows per tile (the next tile's loads issued before this tile's sums), summing in f32: with one segment a masked column sum; with S > 1 a
-one-hot [S_PAD, BLOCK_T] x [BLOCK_T, BLOCK_D] product on the tensor cores (exact: the one-hot is
-0/1, f32 accumulation; f32 x in IEEE precision, not TF32). The sums are scaled by 1 / count
+BLOCK_T rows per tile (the next tile's loads issued before this tile's sums), summing in f32:
+with one segment a masked column sum; with S > 1 a one-hot [S_PAD, BLOCK_T] x [BLOCK_T, BLOCK_D]
+product on the tensor cores (exact: the one-hot is 0/1, f32 accumulation; f32 x in IEEE
+precision, not TF32). The sums are scaled by 1 / count
 (counted in XLA from the ids: [B, T] integers, no x traffic) and stored. x is read once.
 Backward: dx[b, t] = g[b, s] / count[b, s] for the row's segment s, 0 outside any: one gather
 per row over a (b, T-tile, D-tile) grid, with g / count formed in XLA ([B, S, D], small).
@@ -107,7 +108,8 @@ def _backward_kernel(
     ids = _segments(SEG, LEN, b, t, T, HAS_SEG, S)
     inside = (ids >= 0)[:, None] & d_ok[None, :]
     g = tl.load(GS + b * S * D + ids[:, None] * D + d[None, :], mask=inside, other=0.0)
-    tl.store(DX + b * T * D + t[:, None] * D + d[None, :], g.to(DX.dtype.element_ty), mask=(t < T)[:, None] & d_ok[None, :])
+    out = DX + b * T * D + t[:, None] * D + d[None, :]
+    tl.store(out, g.to(DX.dtype.element_ty), mask=(t < T)[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------- config
@@ -131,7 +133,8 @@ class MeanPoolConfig(KernelConfig):
         for name in ("block_t", "block_d"):
             value = getattr(self, name)
             if value & (value - 1) or value < 16:
-                raise ValueError(f"MeanPoolConfig.{name}: expected a power of two >= 16 (a tl.dot operand's side), got {value}")
+                raise ValueError(f"MeanPoolConfig.{name}: expected a power of two >= 16 (a tl.dot operand's side), "
+                                 f"got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"MeanPoolConfig.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
 
