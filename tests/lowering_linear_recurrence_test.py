@@ -102,3 +102,22 @@ def test_triton_mean_pool_lowers_for_sm90(shape, dtype, segments):
 
     assert conformance.lowered_text(forward, x, lengths, ids, platform="cuda").count(TRITON) == 1
     assert conformance.lowered_text(backward, x, lengths, ids, platform="cuda").count(TRITON) == 2
+
+
+@needs_compiled_triton
+def test_triton_kernels_lower_with_int64_offsets():
+    """B * T * D >= 2^31 (one long row: T * D alone overflows int32) takes the int64 offsets."""
+    from forgeax.kernels.triton import linear_recurrence as recurrence
+    from forgeax.kernels.triton import mean_pool as pool
+
+    forward, backward = _recurrence_lowerings(recurrence, (1, 2**20, 4096), jnp.bfloat16, True, True, "cuda")
+    assert forward.count(TRITON) == 1 and backward.count(TRITON) == 2
+    x = jax.ShapeDtypeStruct((1, 2**20, 4096), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 2**20), jnp.int32)
+    config = pool.MEAN_POOL.heuristic_config(x, None, ids, num_segments=4)
+
+    def pooled(x, ids):
+        out, pull = jax.vjp(lambda x: pool.MEAN_POOL.fn(x, None, ids, num_segments=4, config=config), x)
+        return pull(out)
+
+    assert conformance.lowered_text(pooled, x, ids, platform="cuda").count(TRITON) == 2

@@ -49,9 +49,12 @@ def _combine(a1, x1, a2, x2):
 
 
 @triton.jit
-def _steps(c, T: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARDS: tl.constexpr):
-    """Time indices of tile c of a walk (forwards from 0, or backwards from T-1) and their mask."""
+def _steps(c, T: tl.constexpr, BLOCK_T: tl.constexpr, BACKWARDS: tl.constexpr, WIDE: tl.constexpr):
+    """Time indices of tile c of a walk (forwards from 0, or backwards from T-1) and their mask
+    (int64 when element offsets reach 2^31: t * D would overflow int32)."""
     step = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    if WIDE:
+        step = step.to(tl.int64)
     if BACKWARDS:
         return T - 1 - step, step < T
     return step, step < T
@@ -97,7 +100,7 @@ def _forward_kernel(
         carry = tl.load(H0 + b * D + d, mask=d_ok, other=0.0).to(tl.float32)
     else:
         carry = tl.zeros([BLOCK_D], tl.float32)
-    t, ok = _steps(0, T, BLOCK_T, REVERSE)
+    t, ok = _steps(0, T, BLOCK_T, REVERSE, WIDE)
     m = ok[:, None] & d_ok[None, :]
     offs = base + t[:, None] * D + d[None, :]
     x_next = tl.load(X + offs, mask=m, other=0.0)
@@ -108,7 +111,7 @@ def _forward_kernel(
         offs_here = offs
         m_here = m
         # Issue the next tile's loads before this tile's arithmetic (fully masked past the end).
-        t, ok = _steps(c + 1, T, BLOCK_T, REVERSE)
+        t, ok = _steps(c + 1, T, BLOCK_T, REVERSE, WIDE)
         m = ok[:, None] & d_ok[None, :]
         offs = base + t[:, None] * D + d[None, :]
         x_next = tl.load(X + offs, mask=m, other=0.0)
@@ -140,7 +143,7 @@ def _backward_kernel(
     else:
         h0 = tl.zeros([BLOCK_D], tl.float32)
     carry = tl.zeros([BLOCK_D], tl.float32)
-    t, ok = _steps(0, T, BLOCK_T, WALK_BACK)
+    t, ok = _steps(0, T, BLOCK_T, WALK_BACK, WIDE)
     ahead_ok = ok & (t + AHEAD >= 0) & (t + AHEAD < T)
     m = ok[:, None] & d_ok[None, :]
     offs = base + t[:, None] * D + d[None, :]
@@ -153,7 +156,7 @@ def _backward_kernel(
         t_here = t
         offs_here = offs
         m_here = m
-        t, ok = _steps(c + 1, T, BLOCK_T, WALK_BACK)
+        t, ok = _steps(c + 1, T, BLOCK_T, WALK_BACK, WIDE)
         ahead_ok = ok & (t + AHEAD >= 0) & (t + AHEAD < T)
         m = ok[:, None] & d_ok[None, :]
         offs = base + t[:, None] * D + d[None, :]

@@ -59,6 +59,8 @@ def _forward_kernel(
     if WIDE:
         b = b.to(tl.int64)
     rows = tl.arange(0, BLOCK_T)
+    if WIDE:  # t * D would overflow int32
+        rows = rows.to(tl.int64)
     if S == 1:
         acc = tl.zeros([BLOCK_D], tl.float32)
     else:
@@ -105,6 +107,7 @@ def _backward_kernel(
     d_ok = d < D
     if WIDE:
         b = b.to(tl.int64)
+        t = t.to(tl.int64)
     ids = _segments(SEG, LEN, b, t, T, HAS_SEG, S)
     inside = (ids >= 0)[:, None] & d_ok[None, :]
     g = tl.load(GS + b * S * D + ids[:, None] * D + d[None, :], mask=inside, other=0.0)
