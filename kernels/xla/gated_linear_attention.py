@@ -106,6 +106,12 @@ def intra_chunk_scores(qc, kc, bc):
 def chunked_core(q, k, v, g, init, starts, ends, *, scale: float, chunk: int):
     """The chunked form on the chunk layout: q, k, g [R, Tp, N, K], v [R, Tp, N, V] (any float
     dtype, f32 math), init [S, N, K, V] f32 -> (o [R, Tp, N, V] f32, final states [S, N, K, V] f32)."""
+    # f32 inputs get true f32 products (GPUs would round the einsums' operands to TF32).
+    with jax.default_matmul_precision("highest" if q.dtype == jnp.float32 else "default"):
+        return _chunked_core(q, k, v, g, init, starts, ends, scale=scale, chunk=chunk)
+
+
+def _chunked_core(q, k, v, g, init, starts, ends, *, scale: float, chunk: int):
     r, tp, n, kd = q.shape
     vd, nc, seqs = v.shape[-1], tp // chunk, init.shape[0]
     qc, kc, vc, gc = (x.astype(_F32).reshape(r, nc, chunk, n, x.shape[-1]) for x in (q, k, v, g))
