@@ -167,15 +167,8 @@ def attention(
         raise ValueError(f"k: head_dim {Hk} must equal q's head_dim {H}")
     if tuple(v.shape[-3:-1]) != (S, K):
         raise ValueError(f"v: expected [..., S={S}, K={K}, Hv], got {tuple(v.shape)}")
-    if K == 0 or N % K != 0:
-        raise ValueError(f"k: query heads N={N} must be a multiple of kv heads K={K}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    else:
-        checks.positive_float("scale", scale)
-    if logit_soft_cap is not None:
-        checks.positive_float("logit_soft_cap", logit_soft_cap)
-        logit_soft_cap = float(logit_soft_cap)
+    checks.kv_heads_divide("k", N, K)
+    scale, logit_soft_cap = checks.scale_and_soft_cap(scale, logit_soft_cap, H)
     left, right = _window(window, bool(causal))
     rate = float(dropout_rate)
     if not 0.0 <= rate < 1.0:

@@ -28,3 +28,32 @@ def positive_float(name: str, value: Any) -> None:
         raise TypeError(f"{name}: expected a positive number, got {value!r}") from None
     if not (number > 0 and math.isfinite(number)):
         raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+
+
+def integer_array(name: str, value: Any, shape: tuple[int, ...] | None = None, expected: str = "") -> None:
+    """`value` is an array of an integer dtype, of exactly `shape` when given (`expected` says what it is)."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise TypeError(f"{name}: expected an integer JAX or NumPy array, got {type(value).__name__}")
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{name}: expected an integer dtype, got {jnp.dtype(value.dtype).name}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        what = f" ({expected})" if expected else ""
+        raise ValueError(f"{name}: expected shape {tuple(shape)}{what}, got {tuple(value.shape)}")
+
+
+def scale_and_soft_cap(scale: Any, logit_soft_cap: Any, head_dim: int) -> tuple[float, float | None]:
+    """The attention score scale (None: 1 / sqrt(head_dim)) and soft cap (None: off), both checked > 0."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    else:
+        positive_float("scale", scale)
+    if logit_soft_cap is not None:
+        positive_float("logit_soft_cap", logit_soft_cap)
+        logit_soft_cap = float(logit_soft_cap)
+    return float(scale), logit_soft_cap
+
+
+def kv_heads_divide(name: str, num_heads: int, kv_heads: int, label: str = "K") -> None:
+    """GQA/MQA: the query heads are a whole multiple of the kv heads of argument `name`."""
+    if kv_heads == 0 or num_heads % kv_heads != 0:
+        raise ValueError(f"{name}: query heads N={num_heads} must be a multiple of kv heads {label}={kv_heads}")

@@ -71,10 +71,7 @@ def _seqs(q, cu_seqlens) -> int:
     """The number of sequences (B, or len(cu_seqlens) - 1); checks cu_seqlens' type and shape."""
     if cu_seqlens is None:
         return q.shape[0]
-    if not (hasattr(cu_seqlens, "shape") and hasattr(cu_seqlens, "dtype")):
-        raise TypeError(f"cu_seqlens: expected an integer array, got {type(cu_seqlens).__name__}")
-    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
-        raise TypeError(f"cu_seqlens: expected an integer dtype, got {jnp.dtype(cu_seqlens.dtype).name}")
+    checks.integer_array("cu_seqlens", cu_seqlens)
     if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens: expected shape [num_seqs + 1] with num_seqs >= 1, got {tuple(cu_seqlens.shape)}")
     if q.shape[0] != 1:

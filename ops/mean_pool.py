@@ -28,15 +28,6 @@ MEAN_POOL = define_op(
 )
 
 
-def _integer_array(name: str, value, shape: tuple[int, ...], expected: str) -> None:
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-        raise TypeError(f"{name}: expected an integer JAX or NumPy array, got {type(value).__name__}")
-    if not jnp.issubdtype(value.dtype, jnp.integer):
-        raise TypeError(f"{name}: expected an integer dtype, got {jnp.dtype(value.dtype).name}")
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name}: expected shape {shape} ({expected}), got {tuple(value.shape)}")
-
-
 def mean_pool(
     x: Float[Array, "B T D"],
     *,
@@ -76,10 +67,10 @@ def mean_pool(
             raise ValueError("num_segments: only meaningful with segment_ids")
         if lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
-        _integer_array("lengths", lengths, (b,), "[B] of x")
+        checks.integer_array("lengths", lengths, (b,), "[B] of x")
         return MEAN_POOL(x, jnp.asarray(lengths).astype(jnp.int32), None, num_segments=None, backend=backend,
                          config=config)
-    _integer_array("segment_ids", segment_ids, (b, t), "[B, T] of x")
+    checks.integer_array("segment_ids", segment_ids, (b, t), "[B, T] of x")
     if num_segments is None:
         raise ValueError("num_segments: required with segment_ids (the static size of the output's segment axis)")
     try:

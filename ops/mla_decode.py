@@ -59,15 +59,6 @@ MLA_DECODE = define_op(
 )
 
 
-def _integer_array(name: str, a, shape: tuple[int, ...], what: str) -> None:
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-        raise TypeError(f"{name}: expected an integer JAX or NumPy array, got {type(a).__name__}")
-    if not jnp.issubdtype(a.dtype, jnp.integer):
-        raise TypeError(f"{name}: expected an integer dtype, got {jnp.dtype(a.dtype).name}")
-    if tuple(a.shape) != shape:
-        raise ValueError(f"{name}: expected shape {what} = {shape}, got {tuple(a.shape)}")
-
-
 def mla_decode(
     q_latent: Float[Array, "B N L"],
     q_rope: Float[Array, "B N R"],
@@ -126,7 +117,7 @@ def mla_decode(
                          f"two axes, q_rope's R), got {tuple(k_rope.shape)}")
     if kv_latent.shape[0] == 0 or kv_latent.shape[1] == 0:
         raise ValueError(f"kv_latent: expected at least one key slot, got shape {tuple(kv_latent.shape)}")
-    _integer_array("lengths", lengths, (B,), "[B]")
+    checks.integer_array("lengths", lengths, (B,), "[B]")
     if page_table is None:
         S = int(kv_latent.shape[1])
         if kv_latent.shape[0] != B:
@@ -143,7 +134,7 @@ def mla_decode(
     else:
         if not (hasattr(page_table, "ndim") and page_table.ndim == 2):
             raise ValueError(f"page_table: expected shape [B={B}, max_pages], got {getattr(page_table, 'shape', type(page_table).__name__)}")
-        _integer_array("page_table", page_table, (B, int(page_table.shape[1])), "[B, max_pages]")
+        checks.integer_array("page_table", page_table, (B, int(page_table.shape[1])), "[B, max_pages]")
         if page_table.shape[1] == 0:
             raise ValueError("page_table: needs at least one column (max_pages >= 1)")
         num_pages, page_size = int(kv_latent.shape[0]), int(kv_latent.shape[1])

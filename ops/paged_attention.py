@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
@@ -61,14 +59,7 @@ def _forward_only(name: str, call):
 
 
 def _spec(q, scale, window, logit_soft_cap, return_lse, num_splits=None) -> PagedSpec:
-    H = q.shape[-1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    else:
-        checks.positive_float("scale", scale)
-    if logit_soft_cap is not None:
-        checks.positive_float("logit_soft_cap", logit_soft_cap)
-        logit_soft_cap = float(logit_soft_cap)
+    scale, logit_soft_cap = checks.scale_and_soft_cap(scale, logit_soft_cap, q.shape[-1])
     left, right = _window(window, False)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits: expected None or an int >= 1, got {num_splits!r}")
@@ -80,12 +71,6 @@ def _check_q(q) -> None:
     checks.floating_array("q", q)
     if q.ndim != 3:
         raise ValueError(f"q: expected [B, N, H] (one decode query per request), got shape {tuple(q.shape)}")
-
-
-def _check_heads(q, kv_heads: int, name: str) -> None:
-    N = q.shape[1]
-    if kv_heads == 0 or N % kv_heads != 0:
-        raise ValueError(f"{name}: query heads N={N} must be a multiple of kv heads KV={kv_heads}")
 
 
 def paged_attention(
@@ -138,7 +123,7 @@ def paged_attention(
     check_paged_shapes(k_pages, v_pages, page_table, lengths, B, head_dim=H)
     if k_pages.dtype != q.dtype:
         raise TypeError(f"k_pages, v_pages: dtype {k_pages.dtype} must equal q's {q.dtype}")
-    _check_heads(q, k_pages.shape[2], "k_pages")
+    checks.kv_heads_divide("k_pages", N, k_pages.shape[2], "KV")
     check_page_table(page_table, lengths, k_pages.shape[0], k_pages.shape[1])
     spec = _spec(q, scale, window, logit_soft_cap, return_lse)
     call = lambda *a: PAGED_ATTENTION(*a, spec=spec, backend=backend, config=config)  # noqa: E731
@@ -192,11 +177,8 @@ def decode_attention(
         raise ValueError(f"k: expected [B={B}, S, KV, H={H}], got {tuple(k.shape)}")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"v: expected [B, S, KV] = {tuple(k.shape[:3])} like k, got {tuple(v.shape)}")
-    _check_heads(q, k.shape[2], "k")
-    if not (hasattr(lengths, "dtype") and jnp.issubdtype(lengths.dtype, jnp.integer)):
-        raise TypeError(f"lengths: expected an integer array, got {getattr(lengths, 'dtype', type(lengths).__name__)}")
-    if tuple(lengths.shape) != (B,):
-        raise ValueError(f"lengths: expected shape [{B}], got {tuple(lengths.shape)}")
+    checks.kv_heads_divide("k", N, k.shape[2], "KV")
+    checks.integer_array("lengths", lengths, (B,), "[B]")
     if is_concrete(lengths):
         import numpy as np  # noqa: PLC0415
 

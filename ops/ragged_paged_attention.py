@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Integer
@@ -38,8 +36,7 @@ RAGGED_PAGED_ATTENTION = define_op(
 
 
 def _check_cu_q_lens(cu_q_lens, num_rows: int) -> int:
-    if not (hasattr(cu_q_lens, "dtype") and jnp.issubdtype(cu_q_lens.dtype, jnp.integer)):
-        raise TypeError(f"cu_q_lens: expected an integer array, got {getattr(cu_q_lens, 'dtype', type(cu_q_lens).__name__)}")
+    checks.integer_array("cu_q_lens", cu_q_lens)
     if cu_q_lens.ndim != 1 or cu_q_lens.shape[0] < 2:
         raise ValueError(f"cu_q_lens: expected shape [S + 1] with S >= 1 sequences, got {tuple(cu_q_lens.shape)}")
     if is_concrete(cu_q_lens):
@@ -116,24 +113,13 @@ def ragged_paged_attention(
         checks.floating_array(name, a)
     T, N, H = q.shape
     num_seqs = _check_cu_q_lens(cu_q_lens, T)
-    if not (hasattr(kv_lens, "dtype") and jnp.issubdtype(kv_lens.dtype, jnp.integer)):
-        raise TypeError(f"kv_lens: expected an integer array, got {getattr(kv_lens, 'dtype', type(kv_lens).__name__)}")
-    if tuple(kv_lens.shape) != (num_seqs,):
-        raise ValueError(f"kv_lens: expected shape [S = {num_seqs}] (len(cu_q_lens) - 1), got {tuple(kv_lens.shape)}")
+    checks.integer_array("kv_lens", kv_lens, (num_seqs,), "[S], S = len(cu_q_lens) - 1")
     check_paged_shapes(k_pages, v_pages, page_table, kv_lens, num_seqs, head_dim=H)
     if k_pages.dtype != q.dtype:
         raise TypeError(f"k_pages, v_pages: dtype {k_pages.dtype} must equal q's {q.dtype}")
-    KV = k_pages.shape[2]
-    if N % KV != 0:
-        raise ValueError(f"k_pages: query heads N={N} must be a multiple of kv heads KV={KV}")
+    checks.kv_heads_divide("k_pages", N, k_pages.shape[2], "KV")
     check_page_table(page_table, kv_lens, k_pages.shape[0], k_pages.shape[1], lengths_name="kv_lens")
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    else:
-        checks.positive_float("scale", scale)
-    if logit_soft_cap is not None:
-        checks.positive_float("logit_soft_cap", logit_soft_cap)
-        logit_soft_cap = float(logit_soft_cap)
+    scale, logit_soft_cap = checks.scale_and_soft_cap(scale, logit_soft_cap, H)
     left, right = _window(window, bool(causal))
     spec = AttentionSpec(causal=bool(causal), scale=float(scale), window_left=left, window_right=right,
                          logit_soft_cap=logit_soft_cap)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,8 +84,7 @@ def sparse_attention(
         raise ValueError(f"k: head_dim {k.shape[3]} must equal q's head_dim {H}")
     if tuple(v.shape[1:3]) != (S, K):
         raise ValueError(f"v: expected [B, S={S}, K={K}, Hv], got {tuple(v.shape)}")
-    if K == 0 or N % K != 0:
-        raise ValueError(f"k: query heads N={N} must be a multiple of kv heads K={K}")
+    checks.kv_heads_divide("k", N, K)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ValueError(f"block_size: expected an int >= 1, got {block_size!r}")
     block_size = int(block_size)
@@ -105,13 +102,7 @@ def sparse_attention(
         if bad.any():
             raise ValueError(f"block_indices: ids must be -1 (unused) or key blocks in [0, {nk}) "
                              f"(S={S}, block_size={block_size}); got {int(values[bad].flat[0])}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    else:
-        checks.positive_float("scale", scale)
-    if logit_soft_cap is not None:
-        checks.positive_float("logit_soft_cap", logit_soft_cap)
-        logit_soft_cap = float(logit_soft_cap)
+    scale, logit_soft_cap = checks.scale_and_soft_cap(scale, logit_soft_cap, H)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected a bool, got {causal!r}")
     spec = SparseAttentionSpec(block_size=block_size, causal=bool(causal), scale=float(scale),
