@@ -99,6 +99,21 @@ def _empty(q, v, initial_state, seqs):
     return o, state
 
 
+def _run(op, q, k, v, gate, *, scale, initial_state, return_final_state, chunk_size, cu_seqlens, backend, config):
+    """The checks and the call `gated_linear_attention` and `lightning_attention` share, after their
+    own gate check (`gate` is g or decay)."""
+    spec = _spec(q, scale, chunk_size)
+    seqs = _seqs(q, cu_seqlens)
+    _check_state("initial_state", initial_state, (seqs, q.shape[2], q.shape[3], v.shape[3]))
+    if not isinstance(return_final_state, bool):
+        raise TypeError(f"return_final_state: expected a bool, got {return_final_state!r}")
+    if q.shape[1] == 0 or q.shape[2] == 0:
+        o, final = _empty(q, v, initial_state, seqs)
+    else:
+        o, final = op(q, k, v, gate, initial_state, cu_seqlens, spec=spec, backend=backend, config=config)
+    return (o, final) if return_final_state else o
+
+
 def gated_linear_attention(
     q: Float[Array, "B T N K"],
     k: Float[Array, "B T N K"],
@@ -143,16 +158,9 @@ def gated_linear_attention(
     checks.floating_array("g", g)
     if tuple(g.shape) != tuple(q.shape):
         raise ValueError(f"g: expected q's shape {tuple(q.shape)}, got {tuple(g.shape)}")
-    spec = _spec(q, scale, chunk_size)
-    seqs = _seqs(q, cu_seqlens)
-    _check_state("initial_state", initial_state, (seqs, q.shape[2], q.shape[3], v.shape[3]))
-    if not isinstance(return_final_state, bool):
-        raise TypeError(f"return_final_state: expected a bool, got {return_final_state!r}")
-    if q.shape[1] == 0 or q.shape[2] == 0:
-        o, final = _empty(q, v, initial_state, seqs)
-    else:
-        o, final = GATED_LINEAR_ATTENTION(q, k, v, g, initial_state, cu_seqlens, spec=spec, backend=backend, config=config)
-    return (o, final) if return_final_state else o
+    return _run(GATED_LINEAR_ATTENTION, q, k, v, g, scale=scale, initial_state=initial_state,
+                return_final_state=return_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                backend=backend, config=config)
 
 
 def lightning_attention(
@@ -181,16 +189,9 @@ def lightning_attention(
     checks.floating_array("decay", decay)
     if tuple(decay.shape) != (q.shape[2],):
         raise ValueError(f"decay: expected shape ({q.shape[2]},) (one rate per head), got {tuple(decay.shape)}")
-    spec = _spec(q, scale, chunk_size)
-    seqs = _seqs(q, cu_seqlens)
-    _check_state("initial_state", initial_state, (seqs, q.shape[2], q.shape[3], v.shape[3]))
-    if not isinstance(return_final_state, bool):
-        raise TypeError(f"return_final_state: expected a bool, got {return_final_state!r}")
-    if q.shape[1] == 0 or q.shape[2] == 0:
-        o, final = _empty(q, v, initial_state, seqs)
-    else:
-        o, final = LIGHTNING_ATTENTION(q, k, v, decay, initial_state, cu_seqlens, spec=spec, backend=backend, config=config)
-    return (o, final) if return_final_state else o
+    return _run(LIGHTNING_ATTENTION, q, k, v, decay, scale=scale, initial_state=initial_state,
+                return_final_state=return_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                backend=backend, config=config)
 
 
 def gated_linear_attention_step(
