@@ -139,3 +139,21 @@ def gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk: int) ->
     r, tp = q.shape[:2]
     db = db.reshape(r, tp // chunk, chunk, *db.shape[2:]).at[:, :, -1].add(term).reshape(db.shape)
     return gate_gradient(db, starts, chunk)
+
+
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def lightning_gates(q: jax.Array, decay: jax.Array) -> jax.Array:
+    """Lightning Attention's per-head decay rates [N] as GLA log gates [B, T, N, K] (f32)."""
+    return jnp.broadcast_to(-decay.astype(jnp.float32)[:, None], q.shape)
+
+
+def kernel_supports(q: jax.Array, v: jax.Array, max_head_dim: int) -> str | None:
+    """Why a chunked GLA kernel (Triton, Mosaic TPU) cannot take q/v, or None: both backends hold
+    whole K / V rows per tile, so they share the dtype list and a head-dim limit."""
+    if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
+        return f"dtype {jnp.dtype(q.dtype).name} is not one of float32/bfloat16/float16"
+    if q.shape[3] > max_head_dim or v.shape[3] > max_head_dim:
+        return f"head dims K={q.shape[3]}, V={v.shape[3]}: this kernel takes up to {max_head_dim}"
+    return None

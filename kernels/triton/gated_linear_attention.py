@@ -31,13 +31,13 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.kernels.common.gated_linear_attention import (
-    SUB_CHUNK, GLASpec, chunk_cumsum, from_layout, gate_gradient_from, make_layout, to_layout)
+    SUB_CHUNK, GLASpec, chunk_cumsum, from_layout, gate_gradient_from, kernel_supports, lightning_gates, make_layout,
+    to_layout)
 from forgeax.kernels.triton import gated_linear_attention_backward as backward
 from forgeax.kernels.triton.attention_tiles import dot
 from forgeax.kernels.triton.gated_linear_attention_backward import diagonal_scores
 from forgeax.kernels.triton.launch import triton_call
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256  # K and V: whole-K / whole-V tiles of 16 rows stay in registers up to here
 
 
@@ -217,17 +217,12 @@ def gated_linear_attention(q, k, v, g, initial_state, cu_seqlens, *, spec: GLASp
 
 
 def lightning_attention(q, k, v, decay, initial_state, cu_seqlens, *, spec: GLASpec, config: GLATritonConfig):
-    gates = jnp.broadcast_to(-decay.astype(jnp.float32)[:, None], q.shape)
-    return gated_linear_attention(q, k, v, gates, initial_state, cu_seqlens, spec=spec, config=config)
+    return gated_linear_attention(q, k, v, lightning_gates(q, decay), initial_state, cu_seqlens, spec=spec, config=config)
 
 
 def _supports(q, k, v, *args, spec: GLASpec) -> str | None:
     del k, args, spec
-    if jnp.dtype(q.dtype) not in _DTYPES:
-        return f"dtype {jnp.dtype(q.dtype).name} is not one of float32/bfloat16/float16"
-    if q.shape[3] > MAX_HEAD_DIM or v.shape[3] > MAX_HEAD_DIM:
-        return f"head dims K={q.shape[3]}, V={v.shape[3]}: this kernel takes up to {MAX_HEAD_DIM}"
-    return None
+    return kernel_supports(q, v, MAX_HEAD_DIM)
 
 
 GATED_LINEAR_ATTENTION = Implementation(

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from forgeax.core.registry import Implementation
-from forgeax.kernels.common.gated_linear_attention import SUB_CHUNK, GLASpec, from_layout, make_layout, to_layout
+from forgeax.kernels.common.gated_linear_attention import (
+    SUB_CHUNK, GLASpec, from_layout, lightning_gates, make_layout, to_layout)
 
 _F32 = jnp.float32
 
@@ -148,11 +149,6 @@ def gated_linear_attention_chunked(q, k, v, g, initial_state, cu_seqlens, *, spe
     o, finals = chunked_core(*(to_layout(x, layout) for x in (q, k, v, g)), init, layout.starts, layout.ends,
                              scale=spec.scale, chunk=spec.chunk_size)
     return from_layout(o, layout, t).astype(q.dtype), empty_sequences_keep_state(finals, init, layout.lengths)
-
-
-def lightning_gates(q, decay):
-    """Lightning Attention's per-head decay rates [N] as GLA log gates [B, T, N, K] (f32)."""
-    return jnp.broadcast_to(-decay.astype(_F32)[:, None], q.shape)
 
 
 def _lightning(gla):
