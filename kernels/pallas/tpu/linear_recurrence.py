@@ -30,9 +30,9 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.linear_recurrence import kernel_supports
 
 _F32 = jnp.float32
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,14 +162,6 @@ def linear_recurrence(x, a, initial_state, *, reverse: bool = False, config: Lin
     return _differentiable(reverse, config)(x, a, initial_state)
 
 
-def _supports(x, a, initial_state, *, reverse: bool) -> str | None:
-    del reverse
-    for name, v in (("x", x), ("a", a), ("initial_state", initial_state)):
-        if v is not None and jnp.dtype(v.dtype) not in _DTYPES:
-            return f"{name}: dtype {jnp.dtype(v.dtype).name} is not one of float32/bfloat16/float16"
-    return None
-
-
-LINEAR_RECURRENCE = Implementation(fn=linear_recurrence, platforms={"tpu"}, interpretable=True, supports=_supports,
+LINEAR_RECURRENCE = Implementation(fn=linear_recurrence, platforms={"tpu"}, interpretable=True, supports=kernel_supports,
                                    config_type=LinearRecurrenceTpuConfig, heuristic_config=heuristic_config,
                                    candidate_configs=candidate_configs)
