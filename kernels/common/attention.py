@@ -278,3 +278,19 @@ def reduce_bias_grad(dz: Array, bias_shape: tuple[int, ...]) -> Array:
     axes = tuple(i for i in range(2) if bias_shape[i] == 1 and dz.shape[i] != 1)
     return dz.sum(axis=axes, keepdims=True) if axes else dz
 
+
+
+def masked_softmax(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Softmax over the last axis of f32 scores z that hold -inf at disallowed keys, and its lse.
+
+    A row with no allowed key gives p = 0 and lse = -inf, never NaN (its max is replaced by 0
+    before the exp). The max is a stop_gradient shift: it cancels in p and lse. This is the XLA
+    references' shared rule for empty rows (attention, paged, ragged paged, sparse)."""
+    row_max = jnp.max(z, axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    e = jnp.exp(z - row_max)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    nonempty = total > 0
+    p = e / jnp.where(nonempty, total, 1.0)
+    lse = jnp.where(nonempty, row_max + jnp.log(jnp.where(nonempty, total, 1.0)), -jnp.inf)[..., 0]
+    return p, lse

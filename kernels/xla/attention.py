@@ -23,6 +23,7 @@ from forgeax.kernels.common.attention import (
     allowed_positions,
     differentiable_attention,
     dropout_keep,
+    masked_softmax,
     reduce_bias_grad,
 )
 from forgeax.core.registry import Implementation
@@ -51,13 +52,7 @@ def reference(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
     if mask is not None:
         allowed = allowed & mask
     z = jnp.where(allowed, z, -jnp.inf)
-    row_max = jnp.max(z, axis=-1, keepdims=True)
-    row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    e = jnp.exp(z - row_max)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    nonempty = total > 0
-    p = e / jnp.where(nonempty, total, 1.0)
-    lse = jnp.where(nonempty, row_max + jnp.log(jnp.where(nonempty, total, 1.0)), -jnp.inf)[..., 0]
+    p, lse = masked_softmax(z)
     if spec.dropout_rate > 0:
         idx = jnp.arange
         keep = dropout_keep(

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forgeax.core.registry import Implementation
+from forgeax.kernels.common.attention import masked_softmax
 from forgeax.kernels.common.paged import PagedSpec, allowed_keys, clamp_lengths, gather_pages
 
 HIGHEST = lax.Precision.HIGHEST
@@ -38,13 +39,7 @@ def attend(q, k, v, lengths, spec: PagedSpec):
         z = spec.logit_soft_cap * jnp.tanh(z / spec.logit_soft_cap)
     ok = allowed_keys(spec, lengths, jnp.arange(S, dtype=jnp.int32))[:, None, None, :]
     z = jnp.where(ok, z, -jnp.inf)
-    row_max = jnp.max(z, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    e = jnp.exp(z - row_max)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    nonempty = total > 0
-    p = e / jnp.where(nonempty, total, 1.0)
-    lse = jnp.where(nonempty, row_max + jnp.log(jnp.where(nonempty, total, 1.0)), -jnp.inf)[..., 0]
+    p, lse = masked_softmax(z)
     out = jnp.einsum("bkgs,bskh->bkgh", p, v.astype(jnp.float32), precision=HIGHEST)
     out = out.reshape(B, N, -1).astype(q.dtype)
     return out, (lse.reshape(B, N) if spec.return_lse else None)

@@ -15,7 +15,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from forgeax.core.registry import Implementation
-from forgeax.kernels.common.attention import AttentionSpec, allowed_positions
+from forgeax.kernels.common.attention import AttentionSpec, allowed_positions, masked_softmax
 from forgeax.kernels.common.paged import gather_pages
 from forgeax.kernels.common.ragged_paged_attention import clamped_tables
 
@@ -38,11 +38,7 @@ def _rows(q, k_rows, v_rows, j, q_len, kv_len, valid, spec: AttentionSpec):
     if positions is not None:
         allowed = allowed & positions
     z = jnp.where(allowed[:, None, None, :], z, -jnp.inf)
-    row_max = jnp.max(z, axis=-1, keepdims=True)
-    row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    e = jnp.exp(z - row_max)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(total > 0, total, 1.0)
+    p, _ = masked_softmax(z)
     out = jnp.einsum("ckgl,clkh->ckgh", p, v_rows.astype(jnp.float32), precision=HIGHEST)
     return out.reshape(C, N, v_rows.shape[-1])
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forgeax.core.registry import Implementation
+from forgeax.kernels.common.attention import masked_softmax
 from forgeax.kernels.common.sparse_attention import SparseAttentionSpec, dense_mask
 
 HIGHEST = lax.Precision.HIGHEST
@@ -28,13 +29,7 @@ def reference(q, k, v, block_indices, *, spec: SparseAttentionSpec):
         z = spec.logit_soft_cap * jnp.tanh(z / spec.logit_soft_cap)
     allowed = dense_mask(block_indices, spec, T, S)[:, :, None]  # [B, K, 1, T, S]
     z = jnp.where(allowed, z, -jnp.inf)
-    row_max = jnp.max(z, axis=-1, keepdims=True)
-    row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    e = jnp.exp(z - row_max)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    nonempty = total > 0
-    p = e / jnp.where(nonempty, total, 1.0)
-    lse = jnp.where(nonempty, row_max + jnp.log(jnp.where(nonempty, total, 1.0)), -jnp.inf)[..., 0]
+    p, lse = masked_softmax(z)
     out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(f32), precision=HIGHEST)
     out = out.reshape(B, T, N, v.shape[3]).astype(q.dtype)
     return out, (lse.reshape(B, N, T) if spec.return_lse else None)
