@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from forgeax.core import KernelConfig, Selection, define_op
-from forgeax.kernels.common.paged import PagedSpec, check_paged_shapes, check_page_table, is_concrete
+from forgeax.kernels.common.paged import PagedSpec, check_paged_shapes, check_page_table, forward_only, is_concrete
 from forgeax.ops import checks
 from forgeax.ops.attention import _window
 
@@ -45,17 +44,9 @@ DECODE_ATTENTION = define_op(
 
 def _forward_only(name: str, call):
     """`call(*arrays)` that raises a clear error under jax.grad / jax.vjp instead of differentiating."""
-
-    @jax.custom_vjp
-    def run(*arrays):
-        return call(*arrays)
-
-    def forward(*arrays):
-        raise TypeError(f"{name} is forward-only (decoding is inference): it has no gradient. "
-                        "Differentiate forgeax.ops.attention instead, or stop_gradient its inputs.")
-
-    run.defvjp(forward, lambda res, g: None)
-    return run
+    return forward_only(call, lambda: TypeError(
+        f"{name} is forward-only (decoding is inference): it has no gradient. "
+        "Differentiate forgeax.ops.attention instead, or stop_gradient its inputs."))
 
 
 def _spec(q, scale, window, logit_soft_cap, return_lse, num_splits=None) -> PagedSpec:

@@ -9,8 +9,7 @@ q_latent's dtype, lse [B, N] f32). The caller has clamped lengths into [0, S] (c
 
 from __future__ import annotations
 
-import jax
-
+from forgeax.kernels.common import paged
 from forgeax.kernels.common.paged import PagedSpec
 
 # DeepSeek-V2/V3's attention scale: 1 / sqrt(qk_head_dim), qk_head_dim = qk_nope_head_dim 128 +
@@ -26,22 +25,7 @@ def spec_reason(spec: PagedSpec) -> str | None:
 
 
 def forward_only(run, backend: str):
-    """`run(*args)` behind a custom_vjp whose forward rule raises: the kernels are forward-only
-    (serving); jax.grad / jax.vjp of them fails at trace time with a message saying what to do."""
-
-    @jax.custom_vjp
-    def wrapped(*args):
-        return run(*args)
-
-    def fwd(*args):
-        del args
-        raise NotImplementedError(
-            f"mla_decode: the {backend} kernel is forward-only (decode serving) and has no gradient; "
-            "differentiate ops.mla_decode with backend='xla' (the reference, plain JAX autodiff)")
-
-    def bwd(res, cotangent):  # never reached: fwd raises
-        del res, cotangent
-        raise AssertionError("unreachable")
-
-    wrapped.defvjp(fwd, bwd)
-    return wrapped  # not functools.wraps: it would copy run's __dict__ (a custom_vmap's `fun`) over the custom_vjp's
+    """`run(*args)` that raises under jax.grad / jax.vjp: the kernels are forward-only (serving)."""
+    return paged.forward_only(run, lambda: NotImplementedError(
+        f"mla_decode: the {backend} kernel is forward-only (decode serving) and has no gradient; "
+        "differentiate ops.mla_decode with backend='xla' (the reference, plain JAX autodiff)"))

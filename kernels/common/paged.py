@@ -155,3 +155,24 @@ def contiguous_as_pages(k: Array, page_size: int) -> tuple[Array, Array]:
     pages = k.reshape((B * M, page_size) + tuple(k.shape[2:]))
     table = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
     return pages, table
+
+
+def forward_only(run, error):
+    """`run(*args)` behind a custom_vjp whose forward rule raises `error()`: the serving ops and
+    kernels (paged, decode, ragged paged attention; the MLA decode kernels) are forward-only, and
+    jax.grad / jax.vjp through them fails at trace time with a message saying what to do."""
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return run(*args)
+
+    def fwd(*args):
+        del args
+        raise error()
+
+    def bwd(res, cotangent):  # never reached: fwd raises
+        del res, cotangent
+        raise AssertionError("unreachable")
+
+    wrapped.defvjp(fwd, bwd)
+    return wrapped  # not functools.wraps: it would copy run's __dict__ (a custom_vmap's `fun`) over the custom_vjp's
