@@ -35,7 +35,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.linear_recurrence import kernel_supports
+from forgeax.kernels.common.linear_recurrence import kernel_supports, with_vjp
 from forgeax.kernels.triton.launch import triton_call
 
 
@@ -270,21 +270,7 @@ def _differentiable(reverse: bool, config: LinearRecurrenceConfig):
     """The recurrence with a custom_vjp; vmap folds into the batch axis (rows are independent)."""
     forward = fold_vmap_into_rows(functools.partial(_forward, reverse=reverse, config=config), row_args=(0, 1, 2))
     backward = fold_vmap_into_rows(functools.partial(_backward, reverse=reverse, config=config), row_args=(0, 1, 2, 3))
-
-    @jax.custom_vjp
-    def run(x, a, h0):
-        return forward(x, a, h0)
-
-    def run_fwd(x, a, h0):
-        h = forward(x, a, h0)
-        return h, (a, h, h0)
-
-    def run_bwd(residuals, g):
-        a, h, h0 = residuals
-        return backward(g, a, h, h0)
-
-    run.defvjp(run_fwd, run_bwd)
-    return run
+    return with_vjp(forward, backward)
 
 
 def linear_recurrence(x, a, initial_state, *, reverse: bool = False, config: LinearRecurrenceConfig):

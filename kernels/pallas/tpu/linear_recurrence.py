@@ -30,7 +30,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.linear_recurrence import kernel_supports
+from forgeax.kernels.common.linear_recurrence import kernel_supports, with_vjp
 
 _F32 = jnp.float32
 
@@ -133,16 +133,7 @@ def _differentiable(reverse: bool, config: LinearRecurrenceTpuConfig):
     forward = fold_vmap_into_rows(functools.partial(scan, backwards=reverse), row_args=(0, 1, 2))
     backward_scan = fold_vmap_into_rows(functools.partial(scan, backwards=not reverse), row_args=(0, 1, 2))
 
-    @jax.custom_vjp
-    def run(x, a, h0):
-        return forward(x, a, h0)
-
-    def run_fwd(x, a, h0):
-        h = forward(x, a, h0)
-        return h, (a, h, h0)
-
-    def run_bwd(residuals, g):
-        a, h, h0 = residuals
+    def backward(g, a, h, h0):
         # dh_t = g_t + a_{t+1} dh_{t+1} (t-1 for a reverse op): the recurrence walking the other way.
         a_next = _shift(a.astype(_F32), None, later=not reverse)
         dh = backward_scan(g.astype(_F32), a_next, None)
@@ -152,8 +143,7 @@ def _differentiable(reverse: bool, config: LinearRecurrenceTpuConfig):
         dh0 = None if h0 is None else (a[:, first].astype(_F32) * dh[:, first]).astype(h0.dtype)
         return dh.astype(g.dtype), da, dh0
 
-    run.defvjp(run_fwd, run_bwd)
-    return run
+    return with_vjp(forward, backward)
 
 
 def linear_recurrence(x, a, initial_state, *, reverse: bool = False, config: LinearRecurrenceTpuConfig):
