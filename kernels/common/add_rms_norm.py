@@ -28,6 +28,7 @@ from collections.abc import Callable
 import jax
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import ROWS, SUM, WHOLE, rowwise
 
 Array = jax.Array
 
@@ -43,20 +44,26 @@ class AddRmsNormKernels:
 def differentiable_add_rms_norm(kernels: AddRmsNormKernels) -> Callable[..., tuple[Array, Array]]:
     """`add_rms_norm(x, residual, scale, *, eps) -> (normed, s)` from row kernels."""
 
-    def forward_rows(x2, r2, scale, eps):
-        return fold_vmap_into_rows(functools.partial(kernels.forward, eps=eps), row_args=(0, 1))(x2, r2, scale)
+    # x keeps its leading axes down to the launches, which the SPMD partitioner splits by rows
+    # (kernels/common/partitioning.py): batch- or token-sharded x stays sharded.
+    def forward_rows(x, r, scale, eps):
+        launch = rowwise(functools.partial(kernels.forward, eps=eps), (ROWS, ROWS, WHOLE), (ROWS, ROWS, ROWS),
+                         row_ndim=x.ndim - 1)
+        return fold_vmap_into_rows(launch, row_args=(0, 1))(x, r, scale)
 
-    def backward_rows(s2, scale, rstd, dn, dsum, eps):
+    def backward_rows(s, scale, rstd, dn, dsum, eps):
         # dscale sums over rows: a vmapped batch cannot fold into them (see kernels/common/norms.py).
-        return fold_vmap_into_rows(functools.partial(kernels.backward, eps=eps), row_args=())(s2, scale, rstd, dn, dsum)
+        launch = rowwise(functools.partial(kernels.backward, eps=eps), (ROWS, WHOLE, ROWS, ROWS, ROWS), (ROWS, SUM),
+                         row_ndim=s.ndim - 1)
+        return fold_vmap_into_rows(launch, row_args=())(s, scale, rstd, dn, dsum)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def run(x2, r2, scale, eps):
-        normed, s, _ = forward_rows(x2, r2, scale, eps)
+    def run(x, r, scale, eps):
+        normed, s, _ = forward_rows(x, r, scale, eps)
         return normed, s
 
-    def run_fwd(x2, r2, scale, eps):
-        normed, s, rstd = forward_rows(x2, r2, scale, eps)
+    def run_fwd(x, r, scale, eps):
+        normed, s, rstd = forward_rows(x, r, scale, eps)
         return (normed, s), (s, scale, rstd)
 
     def run_bwd(eps, residuals, cotangents):
@@ -69,8 +76,6 @@ def differentiable_add_rms_norm(kernels: AddRmsNormKernels) -> Callable[..., tup
     run.defvjp(run_fwd, run_bwd)
 
     def add_rms_norm(x: Array, residual: Array, scale: Array, *, eps: float) -> tuple[Array, Array]:
-        d = x.shape[-1]
-        normed, s = run(x.reshape(-1, d), residual.reshape(-1, d), scale, eps)
-        return normed.reshape(x.shape), s.reshape(x.shape)
+        return run(x, residual, scale, eps)
 
     return add_rms_norm

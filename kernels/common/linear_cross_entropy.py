@@ -44,6 +44,7 @@ from jax import lax
 
 from forgeax.core.config import KernelConfig
 from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
+from forgeax.kernels.common.partitioning import ROWS, SUM, WHOLE, rowwise
 
 # The default chunk keeps its logits under this many bytes: at Llama-3's
 # V=128256, 2048 tokens of bf16 logits (Triton: the gradient overwrites them)
@@ -200,6 +201,27 @@ def _grad_loop(x2, w, b, t, opts, lse=None, scale=None):
     return (None if loss is None else _rows(loss, n)), _match(_rows(dx, n), x2), _match(dw, w), _match(db, b)
 
 
+def _split(fn, arg_kinds, out_kinds, opts):
+    """fn (a whole chunk loop) as a launch the SPMD partitioner splits by tokens, each device
+    looping over its own rows (kernels/common/partitioning.py); dW and db are summed per device,
+    then all-reduced. Vocabulary-parallel calls run inside shard_map already: unchanged."""
+    if opts.spec.axis_name is not None:
+        return fn
+    return lambda x, *args: rowwise(fn, arg_kinds, out_kinds, row_ndim=x.ndim - 1)(x, *args)
+
+
+def _loss_rows(x2, w, b, t, opts):
+    loop = functools.partial(_loss_loop, opts=opts)
+    return _split(loop, (ROWS, WHOLE, WHOLE, ROWS), (ROWS, ROWS), opts)(x2, w, b, t)
+
+
+def _grad_rows(x2, w, b, t, opts, lse=None, scale=None):
+    def loop(x2, w, b, t, lse, scale):
+        return _grad_loop(x2, w, b, t, opts, lse=lse, scale=scale)
+
+    return _split(loop, (ROWS, WHOLE, WHOLE, ROWS, ROWS, ROWS), (ROWS, ROWS, SUM, SUM), opts)(x2, w, b, t, lse, scale)
+
+
 def _scaled(g, s, like):
     """s * g in f32, in `like`'s dtype (the cotangent of `like`); None stays None."""
     return None if g is None else (g.astype(jnp.float32) * s).astype(like.dtype)
@@ -215,11 +237,11 @@ def _cotangent(ct, opts):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _summed(x2, w, b, t, opts):
-    return jnp.sum(_loss_loop(x2, w, b, t, opts)[0])
+    return jnp.sum(_loss_rows(x2, w, b, t, opts)[0])
 
 
 def _summed_fwd(x2, w, b, t, opts):
-    loss, dx, dw, db = _grad_loop(x2, w, b, t, opts)
+    loss, dx, dw, db = _grad_rows(x2, w, b, t, opts)
     return jnp.sum(loss), (dx, dw, db, w, b)
 
 
@@ -237,17 +259,17 @@ _summed.defvjp(_summed_fwd, _summed_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _per_token(x2, w, b, t, opts):
-    return _loss_loop(x2, w, b, t, opts)[0]
+    return _loss_rows(x2, w, b, t, opts)[0]
 
 
 def _per_token_fwd(x2, w, b, t, opts):
-    loss, lse = _loss_loop(x2, w, b, t, opts)
+    loss, lse = _loss_rows(x2, w, b, t, opts)
     return loss, (x2, w, b, t, lse)
 
 
 def _per_token_bwd(opts, residuals, ct):
     x2, w, b, t, lse = residuals
-    _, dx, dw, db = _grad_loop(x2, w, b, t, opts, lse=lse, scale=_cotangent(ct, opts))
+    _, dx, dw, db = _grad_rows(x2, w, b, t, opts, lse=lse, scale=_cotangent(ct, opts))
     return dx, _scaled(dw, 1.0, w), _scaled(db, 1.0, b), None
 
 
@@ -278,9 +300,10 @@ def linear_cross_entropy_with(kernels: ChunkKernels, heuristic_config: Callable[
             config = heuristic_config(x, weight, targets, bias, spec=spec, chunk_size=chunk_size)
         h, v_local = weight.shape
         logit_bytes = jnp.dtype(_matmul_dtype(x, weight)).itemsize
-        x2 = x.reshape(-1, h)
-        t = targets.reshape(-1).astype(jnp.int32)
         axis_name = spec.axis_name
+        # Without axis_name the leading axes stay (the partitioner splits any of them, see _split).
+        x2 = x.reshape(-1, h) if axis_name is not None else x
+        t = (targets.reshape(-1) if axis_name is not None else targets).astype(jnp.int32)
         vocab = v_local if axis_name is None else v_local * lax.axis_size(axis_name)
         valid = valid_targets(t, vocab, spec)
         psum_dx = psum_ct = False
@@ -293,7 +316,7 @@ def linear_cross_entropy_with(kernels: ChunkKernels, heuristic_config: Callable[
             names = frozenset(_axis_names(axis_name))
             checked = names <= _varying(weight)
             psum_dx, psum_ct = checked and not (names & _varying(x)), not checked
-        chunk = int(chunk_size or default_chunk_size(x2.shape[0], v_local, 4 if kernels.f32_logits else logit_bytes))
+        chunk = int(chunk_size or default_chunk_size(x2.size // max(h, 1), v_local, 4 if kernels.f32_logits else logit_bytes))
         plan = _Plan(spec, config, chunk, psum_dx, psum_ct, kernels)
         t = jnp.where(valid, t, -1)
         if spec.reduction == "none":

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import ROWS, SUM, WHOLE, rowwise
 
 Array = jax.Array
 
@@ -43,35 +44,39 @@ class NormKernels:
 def differentiable_norm(kernels: NormKernels) -> Callable[..., Array]:
     """`norm(x, scale, offset, *, eps)` over the last axis of x, from row kernels."""
 
-    def forward_rows(x2, scale, offset, eps):
-        return fold_vmap_into_rows(functools.partial(kernels.forward, eps=eps), row_args=(0,))(x2, scale, offset)
+    # x keeps its leading axes down to the launches, which the SPMD partitioner splits
+    # by rows (kernels/common/partitioning.py): batch- or token-sharded x stays sharded.
+    def forward_rows(x, scale, offset, eps):
+        launch = rowwise(functools.partial(kernels.forward, eps=eps), (ROWS, WHOLE, WHOLE), (ROWS, ROWS),
+                         row_ndim=x.ndim - 1)
+        return fold_vmap_into_rows(launch, row_args=(0,))(x, scale, offset)
 
-    def backward_rows(x2, scale, stats, dy2, eps):
+    def backward_rows(x, scale, stats, dy, eps):
         # dscale/doffset sum over rows, so a vmapped batch cannot fold into the
         # rows (each batch element needs its own sums): no row_args, which makes
         # vmap run the backward kernel once per batch element.
-        backward = functools.partial(kernels.backward, eps=eps)
-        return fold_vmap_into_rows(backward, row_args=())(x2, scale, stats, dy2)
+        launch = rowwise(functools.partial(kernels.backward, eps=eps), (ROWS, WHOLE, ROWS, ROWS), (ROWS, SUM, SUM),
+                         row_ndim=x.ndim - 1)
+        return fold_vmap_into_rows(launch, row_args=())(x, scale, stats, dy)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def norm2d(x2, scale, offset, eps):
-        return forward_rows(x2, scale, offset, eps)[0]
+    def norm_rows(x, scale, offset, eps):
+        return forward_rows(x, scale, offset, eps)[0]
 
-    def norm2d_fwd(x2, scale, offset, eps):
-        y, stats = forward_rows(x2, scale, offset, eps)
-        return y, (x2, scale, offset, stats)
+    def norm_rows_fwd(x, scale, offset, eps):
+        y, stats = forward_rows(x, scale, offset, eps)
+        return y, (x, scale, offset, stats)
 
-    def norm2d_bwd(eps, residuals, dy):
-        x2, scale, offset, stats = residuals
-        dx, dscale, doffset = backward_rows(x2, scale, stats, dy, eps)
+    def norm_rows_bwd(eps, residuals, dy):
+        x, scale, offset, stats = residuals
+        dx, dscale, doffset = backward_rows(x, scale, stats, dy, eps)
         doffset = None if offset is None else doffset.astype(offset.dtype)
-        return dx.astype(x2.dtype), dscale.astype(scale.dtype), doffset
+        return dx.astype(x.dtype), dscale.astype(scale.dtype), doffset
 
-    norm2d.defvjp(norm2d_fwd, norm2d_bwd)
+    norm_rows.defvjp(norm_rows_fwd, norm_rows_bwd)
 
     def norm(x: Array, scale: Array, offset: Array | None = None, *, eps: float) -> Array:
-        x2 = x.reshape(-1, x.shape[-1])
-        return norm2d(x2, scale, offset, eps).reshape(x.shape)
+        return norm_rows(x, scale, offset, eps)
 
     return norm
 

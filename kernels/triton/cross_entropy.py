@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import ROWS, rowwise
 from forgeax.core.config import KernelConfig
 from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
 from forgeax.kernels.triton.elementwise import tanh
@@ -251,8 +252,16 @@ def _loss_grad_rows(x2, t, *, spec, config, grad_dtype=None, in_place=False):
 
 
 # Row kernels under vmap: a batch axis folds into the rows (every argument is per row).
+# Every argument's leading axes (all but the logits' vocabulary axis) are rows, which the SPMD
+# partitioner splits over any mesh axes (kernels/common/partitioning.py); the kernels see them flat.
 def _rowwise(fn, spec, config, n_args, **static):
-    return fold_vmap_into_rows(functools.partial(fn, spec=spec, config=config, **static), row_args=tuple(range(n_args)))
+    kernel = functools.partial(fn, spec=spec, config=config, **static)
+    outs = ROWS if fn is _grad_rows else (ROWS,) * (3 if fn is _loss_grad_rows else 2)
+
+    def launch(*args):
+        return rowwise(kernel, (ROWS,) * n_args, outs, row_ndim=args[0].ndim - 1)(*args)
+
+    return fold_vmap_into_rows(launch, row_args=tuple(range(n_args)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -271,7 +280,7 @@ def _per_token_fwd(x2, t, spec, config):
 def _per_token_bwd(spec, config, residuals, ct):
     if config.grad_in_forward:
         grad = residuals[0]
-        dx = (grad.astype(jnp.float32) * ct[:, None]).astype(grad.dtype)
+        dx = (grad.astype(jnp.float32) * ct[..., None]).astype(grad.dtype)
     else:
         x2, t, lse = residuals
         dx = _rowwise(_grad_rows, spec, config, 4)(x2, t, lse, ct.astype(jnp.float32))
@@ -315,9 +324,9 @@ def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: Cross
         raise NotImplementedError("the Triton cross_entropy has no vocabulary-parallel path; use backend='xla'")
     config = config or heuristic_config(logits, targets, spec=spec)
     v = logits.shape[-1]
-    t = targets.reshape(-1).astype(jnp.int32)
+    t = targets.astype(jnp.int32)  # leading axes kept: a token-sharded [B, T, V] stays sharded
     valid = valid_targets(t, v, spec)
-    loss = _per_token(logits.reshape(-1, v), jnp.where(valid, t, -1), spec, config).reshape(targets.shape)
+    loss = _per_token(logits, jnp.where(valid, t, -1), spec, config)
     return reduce_loss(loss, valid, spec.reduction)
 
 

@@ -35,6 +35,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import ROWS, rowwise
 from forgeax.kernels.common.rope import RopeSpec, inverse_frequencies
 from forgeax.kernels.triton.launch import triton_call
 
@@ -204,7 +205,12 @@ def _differentiable(spec: RopeSpec, config: RopeConfig):
     """rope_qk(q, k, positions) with a custom_vjp (k may be None); vmap folds into the batch axis."""
 
     def rotate(q, k, positions, sign):
-        launch = functools.partial(_launch, spec=spec, config=config, sign=sign)
+        def tokens(q, k, positions):  # [tokens, ...] views from rowwise, as a batch of one
+            qo, ko = _launch(q[None], None if k is None else k[None], positions[None], spec=spec, config=config, sign=sign)
+            return qo[0], None if ko is None else ko[0]
+
+        # The SPMD partitioner splits the launch over the batch and token axes (any mesh axes).
+        launch = rowwise(tokens, (ROWS, ROWS, ROWS), (ROWS, ROWS), row_ndim=2)
         return fold_vmap_into_rows(launch, row_args=(0, 1, 2))(q, k, positions)
 
     @jax.custom_vjp

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import ROWS, rowwise
 from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
 from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.core.config import KernelConfig
@@ -269,8 +270,16 @@ def _grad_rows(x2, t, lse, ct, *, spec: LossSpec, config, grad_dtype=None):
 
 
 # Row kernels under vmap: a batch axis folds into the rows (every argument is per row).
+# Every argument's leading axes (all but the last) are rows, which the SPMD partitioner splits
+# over any mesh axes (kernels/common/partitioning.py); the kernels see them flat.
 def _rowwise(fn, spec, config, n_args, **kwargs):
-    return fold_vmap_into_rows(functools.partial(fn, spec=spec, config=config, **kwargs), row_args=tuple(range(n_args)))
+    kernel = functools.partial(fn, spec=spec, config=config, **kwargs)
+    outs = ROWS if fn is _grad_rows else (ROWS, ROWS)
+
+    def launch(*args):
+        return rowwise(kernel, (ROWS,) * n_args, outs, row_ndim=args[0].ndim - 1)(*args)
+
+    return fold_vmap_into_rows(launch, row_args=tuple(range(n_args)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -319,13 +328,13 @@ def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: Cross
         raise NotImplementedError("the Mosaic TPU cross_entropy has no vocabulary-parallel path; use backend='xla'")
     config = config or heuristic_config(logits, targets, spec=spec)
     v = logits.shape[-1]
-    t = targets.reshape(-1).astype(jnp.int32)
+    t = targets.astype(jnp.int32)  # leading axes kept: a token-sharded [B, T, V] stays sharded
     valid = valid_targets(t, v, spec)
-    if t.shape[0] == 0:  # no tokens: nothing to launch (a zero-size grid is not a kernel)
+    if t.size == 0:  # no tokens: nothing to launch (a zero-size grid is not a kernel)
         loss = jnp.zeros(targets.shape, _F32)
     else:
-        column = jnp.where(valid, t, -1)[:, None]
-        loss = _per_token(logits.reshape(-1, v), column, spec, config).reshape(targets.shape)
+        column = jnp.where(valid, t, -1)[..., None]
+        loss = _per_token(logits, column, spec, config).reshape(targets.shape)
     return reduce_loss(loss, valid, spec.reduction)
 
 

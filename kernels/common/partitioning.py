@@ -1,0 +1,202 @@
+"""Row-wise kernel launches that XLA's SPMD partitioner splits by rows, not gathers.
+
+A kernel launch (a jax-triton custom call, a Pallas/Mosaic call, an interpreter
+callback) has no partitioning rule: under `jax.jit` with sharded inputs, XLA
+would all-gather every operand and run the whole kernel on every device.
+`rowwise(fn, ...)` wraps a row-wise launch in `jax.experimental.custom_partitioning`
+with the rule "rows may be split, everything else is replicated":
+
+  * ROWS arguments/outputs: their first `row_ndim` axes are the rows (e.g. the
+    batch and token axes of x [B, T, D]); each device runs `fn` on its own rows.
+    The other axes (the normalised feature axis, a vocabulary axis) are forced
+    replicated: a caller that shards them pays an all-gather of those axes.
+  * WHOLE arguments (weights) are replicated.
+  * SUM outputs are sums over all rows (weight gradients, a summed loss): each
+    device sums its rows, then one all-reduce over the row-sharding mesh axes.
+
+`fn` sees ROWS arrays flattened to (rows, ...), so one 2-D row kernel serves any
+number of leading axes, sharded over any of them. Outside a multi-device
+computation the wrapper lowers to `fn` itself: unsharded calls compile to the
+same kernels. Inside `shard_map` (values already local) and for interpreted
+kernels (see `rowwise`) it is not applied. Differentiate around it (custom_vjp),
+not through it: custom_partitioning has no autodiff rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from forgeax.core.runtime import interpret_enabled
+
+ROWS = "rows"
+WHOLE = "whole"
+SUM = "sum"
+
+
+def rowwise(fn: Callable[..., Any], arg_kinds: Sequence[str], out_kinds: Sequence[str], *, row_ndim: int = 1):
+    """`fn(*args) -> tuple` as a launch the SPMD partitioner splits over rows.
+
+    arg_kinds/out_kinds: ROWS, WHOLE (args) or SUM (outputs), one per top-level
+    argument / element of fn's output tuple; each may be a pytree (or None) of arrays.
+    A single out_kind (a str): fn returns one output, not a tuple.
+    row_ndim: how many leading axes of every ROWS array are rows. `fn` receives
+    ROWS arrays reshaped to (rows, *rest) and returns ROWS outputs as (rows, *rest).
+    Returns the outputs with ROWS ones reshaped back to (*lead, *rest).
+    """
+    if isinstance(out_kinds, str):  # fn returns one output (an array or pytree), not a tuple
+        one = rowwise(lambda *a: (fn(*a),), arg_kinds, (out_kinds,), row_ndim=row_ndim)
+        return lambda *args: one(*args)[0]
+    arg_kinds, out_kinds = tuple(arg_kinds), tuple(out_kinds)
+
+    def call(*args):
+        if len(args) != len(arg_kinds):
+            raise TypeError(f"rowwise: expected {len(arg_kinds)} arguments, got {len(args)}")
+        leaves, in_tree = jax.tree.flatten(args)
+        kinds = _leaf_kinds(args, arg_kinds)
+        lead = next((tuple(x.shape[:row_ndim]) for x, k in zip(leaves, kinds) if k == ROWS), None)
+        if lead is None:
+            raise ValueError("rowwise: no ROWS argument")
+        shapes = {}
+
+        def flat_fn(*flat):
+            """fn over flat leaves (ROWS with their leading axes, scalars as (1,)), flat outputs."""
+            here = tuple(next(x.shape[:row_ndim] for x, k in zip(flat, kinds) if k == ROWS))
+            rows = math.prod(here)
+            views = [x.reshape((rows,) + x.shape[row_ndim:]) if k == ROWS else x for x, k in zip(flat, kinds)]
+            views = [v.reshape(()) if s == () else v for v, s in zip(views, scalar_shapes)]
+            outs = fn(*jax.tree.unflatten(in_tree, views))
+            outs = tuple(outs) if isinstance(outs, list) else outs
+            if not isinstance(outs, tuple) or len(outs) != len(out_kinds):
+                raise TypeError(f"rowwise: fn must return a tuple of {len(out_kinds)} outputs")
+            out_leaves, out_tree = jax.tree.flatten(outs)
+            okinds = _leaf_kinds(outs, out_kinds)
+            shapes["out"] = (out_tree, okinds, [o.shape for o in out_leaves])
+            return tuple(
+                (o.reshape(here + o.shape[1:]) if k == ROWS else o.reshape(o.shape or (1,)))
+                for o, k in zip(out_leaves, okinds)
+            )
+
+        scalar_shapes = [x.shape if k != ROWS else None for x, k in zip(leaves, kinds)]
+        flat_in = [x.reshape(x.shape or (1,)) if k != ROWS else x for x, k in zip(leaves, kinds)]
+        if interpret_enabled() or jax.sharding.get_abstract_mesh().manual_axes:
+            # Inside shard_map every value is already local: nothing to partition. The CPU
+            # interpreters run as host callbacks, and a callback lowered inside a
+            # custom_partitioning body loses its registration (executing it crashes), so
+            # interpreted kernels are left to XLA (gathered, still correct).
+            out = flat_fn(*flat_in)
+            out_tree, okinds, out_shapes = shapes["out"]
+            return jax.tree.unflatten(out_tree, [o.reshape(s) if k != ROWS else o for o, k, s in zip(out, okinds, out_shapes)])
+        # Trace once on the global shapes to learn the outputs (their kinds and ranks). Constants
+        # the launch closes over (e.g. tables built with numpy) become replicated operands:
+        # custom_partitioning takes none; each shard's lowering re-traces fn and builds its own.
+        closed = jax.make_jaxpr(flat_fn)(*flat_in)
+        consts = [jnp.asarray(c) for c in closed.consts]
+        const_shapes = [c.shape for c in consts]
+        consts = [c.reshape(c.shape or (1,)) for c in consts]
+        out_tree, okinds, out_shapes = shapes["out"]
+        out_ranks = [(row_ndim + len(s) - 1) if k == ROWS else max(len(s), 1) for s, k in zip(out_shapes, okinds)]
+        n = len(flat_in)
+
+        def global_fn(*args):
+            own = [c.reshape(shape) for c, shape in zip(args[n:], const_shapes)]
+            return tuple(jax.core.eval_jaxpr(closed.jaxpr, own, *args[:n]))
+
+        def local_fn(*args):
+            return flat_fn(*args[:n])
+
+        all_kinds = kinds + [WHOLE] * len(consts)
+        partitioned = _partitioned(global_fn, local_fn, all_kinds, okinds, [x.ndim for x in flat_in + consts],
+                                   out_ranks, row_ndim)
+        out = partitioned(*flat_in, *consts)
+        out = [o.reshape(s) if k != ROWS else o for o, k, s in zip(out, okinds, out_shapes)]
+        return jax.tree.unflatten(out_tree, out)
+
+    return call
+
+
+def _leaf_kinds(values: tuple, kinds: tuple) -> list[str]:
+    out = []
+    for value, kind in zip(values, kinds):
+        if kind not in (ROWS, WHOLE, SUM):
+            raise ValueError(f"rowwise: unknown kind {kind!r}")
+        out += [kind] * len(jax.tree.leaves(value))
+    return out
+
+
+def _rule(kinds, okinds, in_ranks, out_ranks, row_ndim):
+    """The Shardy rule: shared row factors r0.. on ROWS arrays, a private factor per other axis."""
+    rows = [f"r{i}" for i in range(row_ndim)]
+    private = []
+
+    def dims(kind, rank, tag):
+        n = rank - row_ndim if kind == ROWS else rank
+        own = [f"{tag}d{i}" for i in range(n)]
+        private.extend(own)
+        return " ".join((rows if kind == ROWS else []) + own)
+
+    lhs = ", ".join(dims(k, r, f"i{j}") for j, (k, r) in enumerate(zip(kinds, in_ranks)))
+    rhs = ", ".join(dims(k, r, f"o{j}") for j, (k, r) in enumerate(zip(okinds, out_ranks)))
+    return f"{lhs} -> {rhs}", tuple(private)
+
+
+def _row_axes(mesh, arg_shapes, kinds, row_ndim) -> tuple:
+    """The mesh axes each row axis is split over, read from the first ROWS operand's sharding.
+
+    An axis whose length the mesh axes do not divide stays whole: padded rows would add to SUM
+    outputs."""
+    for shape, kind in zip(arg_shapes, kinds):
+        if kind == ROWS and isinstance(shape.sharding, NamedSharding):
+            spec = (tuple(shape.sharding.spec) + (None,) * row_ndim)[:row_ndim]
+            parts = [math.prod(mesh.shape[a] for a in _names((axes,))) for axes in spec]
+            return tuple(a if n % p == 0 else None for a, n, p in zip(spec, shape.shape, parts))
+    return (None,) * row_ndim
+
+
+def _names(axes) -> tuple:
+    names = []
+    for a in axes:
+        if a is None:
+            continue
+        names += list(a) if isinstance(a, tuple) else [a]
+    return tuple(names)
+
+
+def _partitioned(global_fn, local_fn, kinds, okinds, in_ranks, out_ranks, row_ndim):
+    cp = custom_partitioning(global_fn)
+
+    def shardings(mesh, row_axes):
+        def one(kind, rank):
+            spec = row_axes + (None,) * (rank - row_ndim) if kind == ROWS else (None,) * rank
+            return NamedSharding(mesh, PartitionSpec(*spec))
+
+        return [one(k, r) for k, r in zip(kinds, in_ranks)], [one(k, r) for k, r in zip(okinds, out_ranks)]
+
+    def infer(mesh, arg_shapes, result_shape):
+        del result_shape
+        return tuple(shardings(mesh, _row_axes(mesh, arg_shapes, kinds, row_ndim))[1])
+
+    def partition(mesh, arg_shapes, result_shape):
+        del result_shape
+        row_axes = _row_axes(mesh, arg_shapes, kinds, row_ndim)
+        in_sh, out_sh = shardings(mesh, row_axes)
+        reduce_over = _names(row_axes)
+
+        def lower(*flat):
+            outs = local_fn(*flat)
+            if not reduce_over:
+                return outs
+            return tuple(jax.lax.psum(o, reduce_over) if k == SUM else o for o, k in zip(outs, okinds))
+
+        return mesh, lower, tuple(out_sh), tuple(in_sh)
+
+    rule, private = _rule(kinds, okinds, in_ranks, out_ranks, row_ndim)
+    cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=private)
+    return cp
