@@ -72,24 +72,6 @@ def _check_pair_mask(name: str, a, lead: tuple[int, ...], heads: int, T: int, S:
         raise ValueError(f"{name}: expected [..., {heads}|1, {T}, {S}], got {shape}")
 
 
-def _window(window, causal: bool) -> tuple[int | None, int | None]:
-    if window is None:
-        return None, None
-    if not (isinstance(window, (tuple, list)) and len(window) == 2):
-        raise TypeError(f"window: expected (left, right) with ints >= 0 or None, got {window!r}")
-    out = []
-    for side, w in zip(("left", "right"), window):
-        if w is None:
-            out.append(None)
-            continue
-        if isinstance(w, bool) or not isinstance(w, (int, jnp.integer)):
-            raise TypeError(f"window: {side} size must be an int >= 0 or None, got {w!r}")
-        if w < 0:
-            raise ValueError(f"window: {side} size must be >= 0, got {int(w)}")
-        out.append(int(w))
-    return out[0], (0 if causal else out[1])
-
-
 def attention(
     q: Float[Array, "*B T N H"],
     k: Float[Array, "*B S K H"],
@@ -169,7 +151,7 @@ def attention(
         raise ValueError(f"v: expected [..., S={S}, K={K}, Hv], got {tuple(v.shape)}")
     checks.kv_heads_divide("k", N, K)
     scale, logit_soft_cap = checks.scale_and_soft_cap(scale, logit_soft_cap, H)
-    left, right = _window(window, bool(causal))
+    left, right = checks.window(window, bool(causal))
     rate = float(dropout_rate)
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout_rate: expected a number in [0, 1), got {dropout_rate!r}")

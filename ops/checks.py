@@ -57,3 +57,24 @@ def kv_heads_divide(name: str, num_heads: int, kv_heads: int, label: str = "K") 
     """GQA/MQA: the query heads are a whole multiple of the kv heads of argument `name`."""
     if kv_heads == 0 or num_heads % kv_heads != 0:
         raise ValueError(f"{name}: query heads N={num_heads} must be a multiple of kv heads {label}={kv_heads}")
+
+
+def window(window: Any, causal: bool) -> tuple[int | None, int | None]:
+    """The attention `window=(left, right)` (ints >= 0 or None; None: unbounded) as (left, right);
+    right is 0 with causal (a query sees no later key). ops.attention's rule, shared by the
+    paged and ragged paged ops."""
+    if window is None:
+        return None, None
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError(f"window: expected (left, right) with ints >= 0 or None, got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, (int, jnp.integer)):
+            raise TypeError(f"window: {side} size must be an int >= 0 or None, got {w!r}")
+        if w < 0:
+            raise ValueError(f"window: {side} size must be >= 0, got {int(w)}")
+        out.append(int(w))
+    return out[0], (0 if causal else out[1])

@@ -9,7 +9,6 @@ from jaxtyping import Array, Float, Integer
 from forgeax.core import KernelConfig, Selection, define_op
 from forgeax.kernels.common.paged import PagedSpec, check_paged_shapes, check_page_table, forward_only, is_concrete
 from forgeax.ops import checks
-from forgeax.ops.attention import _window
 
 
 def _features(args, kwargs) -> dict:
@@ -51,7 +50,7 @@ def _forward_only(name: str, call):
 
 def _spec(q, scale, window, logit_soft_cap, return_lse, num_splits=None) -> PagedSpec:
     scale, logit_soft_cap = checks.scale_and_soft_cap(scale, logit_soft_cap, q.shape[-1])
-    left, right = _window(window, False)
+    left, right = checks.window(window, False)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits: expected None or an int >= 1, got {num_splits!r}")
     return PagedSpec(scale=float(scale), window_left=left, window_right=right, logit_soft_cap=logit_soft_cap,

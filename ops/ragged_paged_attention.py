@@ -10,7 +10,6 @@ from forgeax.core import KernelConfig, Selection, define_op
 from forgeax.kernels.common.attention import AttentionSpec
 from forgeax.kernels.common.paged import check_page_table, check_paged_shapes, is_concrete
 from forgeax.ops import checks
-from forgeax.ops.attention import _window
 from forgeax.ops.paged_attention import _forward_only
 
 
@@ -120,7 +119,7 @@ def ragged_paged_attention(
     checks.kv_heads_divide("k_pages", N, k_pages.shape[2], "KV")
     check_page_table(page_table, kv_lens, k_pages.shape[0], k_pages.shape[1], lengths_name="kv_lens")
     scale, logit_soft_cap = checks.scale_and_soft_cap(scale, logit_soft_cap, H)
-    left, right = _window(window, bool(causal))
+    left, right = checks.window(window, bool(causal))
     spec = AttentionSpec(causal=bool(causal), scale=float(scale), window_left=left, window_right=right,
                          logit_soft_cap=logit_soft_cap)
     call = lambda *a: RAGGED_PAGED_ATTENTION(*a, spec=spec, backend=backend, config=config)  # noqa: E731
