@@ -58,11 +58,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from forgeax.kernels.common.batching import ManualAxes, fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import ROWS, SUM, WHOLE, rowwise
 
 Array = jax.Array
 
@@ -220,13 +223,30 @@ def _batch_args(q: Array, bias: Array | None, mask: Array | None, dropout: bool)
     return tuple(rows)
 
 
+def _by_batch(fn: Callable[..., Any], spec: "AttentionSpec", backward: bool) -> Callable[..., Any]:
+    """fn as a launch the SPMD partitioner splits over the batch axis (kernels/common/partitioning.py):
+    a batch-sharded call runs each device's own batch elements. A bias broadcast over the batch is
+    replicated and its gradient summed over devices. Dropout hashes the global batch index: not split."""
+    if spec.dropout_rate > 0:
+        return fn
+
+    def launch(*args):
+        q, _, _, bias, mask = args[:5]
+        own = lambda a: ROWS if a is not None and a.shape[0] == q.shape[0] else WHOLE  # noqa: E731
+        kinds = (ROWS, ROWS, ROWS, own(bias), own(mask), ROWS, ROWS, WHOLE) + (ROWS,) * (len(args) - 8)
+        outs = (ROWS, ROWS, ROWS, SUM if own(bias) == WHOLE else ROWS) if backward else (ROWS, ROWS)
+        return rowwise(fn, kinds, outs)(*args)
+
+    return launch
+
+
 def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[Array, Array]]:
     """`fn(q, k, v, bias, mask, qseg, kvseg, seed, *, spec) -> (out, lse)` with a custom VJP and vmap."""
 
     def forward(args, spec):
         q, _, _, bias, mask = args[:5]
         rows = _batch_args(q, bias, mask, spec.dropout_rate > 0)
-        return fold_vmap_into_rows(functools.partial(kernels.forward, spec=spec), rows)(*args)
+        return fold_vmap_into_rows(_by_batch(functools.partial(kernels.forward, spec=spec), spec, False), rows)(*args)
 
     def backward(args, out, lse, dout, dlse, spec):
         q, _, _, bias, mask = args[:5]
@@ -234,7 +254,7 @@ def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[A
         if bias is not None and bias.shape[0] != q.shape[0]:
             rows = ()  # dbias sums over the batch: one launch per vmapped element
         rows = rows + tuple(range(8, 12)) if rows else ()
-        fn = functools.partial(kernels.backward, spec=spec)
+        fn = _by_batch(functools.partial(kernels.backward, spec=spec), spec, True)
         return fold_vmap_into_rows(fn, rows)(*args, out, lse, dout, dlse)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
