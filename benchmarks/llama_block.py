@@ -47,6 +47,10 @@ def parse_variant(text: str) -> dict[str, str | None]:
     return {name: None if b == "default" else b for name, b in backends.items()}
 
 
+def _gib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+
+
 def block_step(cfg: ModelConfig, backends: dict[str, str | None]):
     """jit(value_and_grad) of <decoder_layers(h), ct> with respect to the layers' parameters and h."""
     def loss(layers, final_norm, h, ct):
@@ -103,7 +107,7 @@ def main() -> None:
         results[name] = {"backends": backends, "ran": {op: sorted(b) for op, b in ran.items()},
                          "compile_s": compile_s,
                          "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None}
-        print(f"{name}: compiled in {compile_s:.1f} s, temp {results[name]['temp_bytes'] / 2**30:.2f} GiB, ran {results[name]['ran']}",
+        print(f"{name}: compiled in {compile_s:.1f} s, temp {_gib(results[name]['temp_bytes'])}, ran {results[name]['ran']}",
               flush=True)
     rounds = interleaved(steps, calls=args.calls, rounds=args.reps, warmup=1)
     anchor = names[0]
@@ -113,7 +117,7 @@ def main() -> None:
         r["rounds_ms"] = [t * 1e3 for t in rounds[name]]
         r[f"speedup_vs_{anchor}"] = statistics.median(paired_ratios(rounds[anchor], rounds[name]))
         print(f"{name:40s} {r['step_ms']:9.2f} ms  {r[f'speedup_vs_{anchor}']:.3f}x {anchor}  "
-              f"temp {r['temp_bytes'] / 2**30:.2f} GiB  compile {r['compile_s']:.1f} s", flush=True)
+              f"temp {_gib(r['temp_bytes'])}  compile {r['compile_s']:.1f} s", flush=True)
     report = {"what": "Llama decoder layers, jitted fwd+bwd, each layer checkpointed", "device": jax.devices()[0].device_kind,
               "config": dataclasses.asdict(cfg), "batch": args.batch, "calls": args.calls, "reps": args.reps,
               "anchor": anchor, "results": results, "jax": jax.__version__}
