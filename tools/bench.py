@@ -26,13 +26,14 @@ import platform as host_platform
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_specs  # noqa: E402  (a sibling module, also when run as a plain script)
 
+import forgeax  # noqa: E402
 from forgeax import core as interface  # noqa: E402
 from forgeax.core.timing import copy_bandwidth, interleaved, temp_bytes, time_call  # noqa: E402,F401
 
@@ -138,7 +139,36 @@ def lower_and_compile(fn: Any, inputs: Sequence[Any]) -> tuple[float | None, flo
         return seconds, None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def selection_check(results: list[Timing]) -> list[dict[str, Any]]:
+    """Per op, shape and mode: the default selection's time against the fastest backend timed in
+    the same rounds (anchors and option variants such as 'pallas_gpu:deterministic=True' are not
+    candidates the selection could pick, so they are left out)."""
+    groups: dict[tuple[str, str, str], list[Timing]] = {}
+    for t in results:
+        groups.setdefault((t.op, t.shape, t.mode), []).append(t)
+    rows = []
+    for (op, shape, mode), timings in groups.items():
+        default = next((t for t in timings if t.backend == "default"), None)
+        named = [t for t in timings if t.backend != "default" and not t.backend.startswith("anchor:") and ":" not in t.backend]
+        if default is None or not named:
+            continue
+        fastest = min(named, key=lambda t: t.median_ms)
+        rows.append({"op": op, "shape": shape, "mode": mode, "default_ms": default.median_ms, "fastest": fastest.backend,
+                     "fastest_ms": fastest.median_ms, "default_over_fastest": default.median_ms / fastest.median_ms})
+    return rows
+
+
+def decisions(fn: Any, inputs: Sequence[Any]) -> list[str]:
+    """What the default selection runs for `fn` ('op: backend config' per call), or the error."""
+    try:
+        return [f"{d.op}: {d.backend} {d.config}" for d in forgeax.explain(fn, *inputs).decisions]
+    except Exception as e:  # noqa: BLE001 - a report, never a reason to stop the benchmark
+        return [f"explain failed: {type(e).__name__}: {str(e)[:200]}"]
+
+
+def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Times every backend and anchor; `checkpoint(report)` is called after each shape with the
+    results so far (a run cut by a time limit keeps what it measured)."""
     platform = interface.current_platform()
     device = jax.devices()[0]
     ceiling = copy_bandwidth(args.calls, args.reps)
@@ -147,10 +177,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           + (f"copy ceiling {ceiling / 1e9:.0f} GB/s" if ceiling else "no copy ceiling on the CPU, so no fraction of the floor"),
           flush=True)
     results: list[Timing] = []
+    chosen: dict[tuple[str, str, str], list[str]] = {}
     for op_name in args.op:
         spec = bench_specs.SPECS[op_name]
         registered = interface.OPS[op_name].backends
-        wanted = args.backend or list(registered)
+        wanted = args.backend or ["default", *registered]
         backends = [b for b in wanted if parse_backend(b)[0] in registered + ("default",)]
         shapes = [s for s in spec.shapes if (args.shape and s.name in args.shape) or (not args.shape and (platform != "cpu" or s.small))]
         for shape in shapes:
@@ -176,6 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         compile_s, temp = lower_and_compile(fn, inputs)
                         time_call(fn, inputs, calls=1, reps=1)  # compile + warm up
                         fns[name] = (fn, temp, compile_s)
+                        if backend == "default" and anchor_build is None:
+                            chosen[(op_name, shape.name, mode)] = decisions(fn, inputs)
                     except interface.UnsupportedError as e:
                         print(f"  skip {op_name} {shape.name} {mode} {name}: {e}", flush=True)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
@@ -199,7 +232,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     speedup_vs_anchor_rounds=tuple(a / b for a, b in zip(anchor.rounds_ms, t.rounds_ms)) if anchor else ())
                     for t in row]
                 del fns  # free the executables' buffers before the next shape
+                if checkpoint is not None:
+                    checkpoint(_report(results, ceiling, device, platform, args, chosen))
+    return _report(results, ceiling, device, platform, args, chosen)
+
+
+def _report(results: list[Timing], ceiling: float | None, device: Any, platform: str, args: argparse.Namespace,
+            chosen: dict[tuple[str, str, str], list[str]]) -> dict[str, Any]:
     results, floor_note = checked_fractions(results, ceiling)
+    selection = selection_check(results)
+    for row in selection:
+        row["default_runs"] = chosen.get((row["op"], row["shape"], row["mode"]), [])
     return {
         "device": device.device_kind,
         "platform": platform,
@@ -210,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "copy_ceiling_tb_per_s": ceiling / 1e12 if ceiling else None,
         "floor_note": floor_note,
         "results": [dataclasses.asdict(t) for t in results],
+        "selection": selection,
     }
 
 
@@ -268,6 +312,14 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"note: {report['floor_note']}")
 
 
+def print_selection(report: dict[str, Any]) -> None:
+    """The default selection against the fastest backend, one line per op, shape and mode."""
+    for row in report.get("selection", []):
+        print(f"selection {row['op']} {row['shape']} {row['mode']}: default {row['default_ms']:.4f} ms, fastest "
+              f"{row['fastest']} {row['fastest_ms']:.4f} ms, default/fastest {row['default_over_fastest']:.3f} "
+              f"({'; '.join(row['default_runs'])})")
+
+
 def result_name(report: dict[str, Any], ops: Sequence[str]) -> str:
     """benchmarks/results/INDEX.md's naming, <ops>_<device>_<date>_bench.json ('NVIDIA H100 80GB
     HBM3' -> H100); CPU runs (demonstrations, not committed) are <ops>_cpu.json."""
@@ -295,14 +347,23 @@ def main(argv: list[str] | None = None) -> None:
     quiet_cuda_plugin()
     args.op = args.op or sorted(bench_specs.SPECS)
     args.mode = args.mode or ["fwd", "fwd+bwd"]
-    report = run(args)
-    print_table(report)
-    if args.out != "-":
-        root = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    root = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+    def write(report: dict[str, Any]) -> str | None:
+        if args.out == "-":
+            return None
         path = args.out or os.path.join(root, "benchmarks", "results", result_name(report, args.op))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
+        os.replace(path + ".tmp", path)  # a reader (or a kill) never sees half a file
+        return path
+
+    report = run(args, checkpoint=write)
+    print_table(report)
+    print_selection(report)
+    path = write(report)
+    if path:
         print(f"wrote {path}")
     if args.plot:
         import plot  # noqa: PLC0415 - a sibling module; matplotlib only when plotting
