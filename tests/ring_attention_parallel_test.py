@@ -17,11 +17,15 @@ from jax.sharding import PartitionSpec as P
 
 from forgeax import ops
 
-if len(jax.devices()) < 8:
-    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts)", allow_module_level=True)
+ON_GPU = jax.default_backend() == "gpu"
+if len(jax.devices()) < (2 if ON_GPU else 8):
+    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts) or 2 GPUs",
+                allow_module_level=True)
 
 
 def _mesh(n):
+    if n > len(jax.devices()):
+        pytest.skip(f"needs {n} devices, {len(jax.devices())} here")
     return jax.make_mesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
 
 
@@ -34,19 +38,19 @@ def _inputs(B, T, N, K, H, seed, dtype=jnp.float32):
     return q, k, v, cot
 
 
-def _ring_loss(mesh, layout, segments, **kwargs):
+def _ring_loss(mesh, layout, segments, backend="xla", **kwargs):
     seq = P(None, "sp")
     in_specs = (seq, seq, seq, seq) + ((seq, seq) if segments else ())
 
     def local(q, k, v, cot, *seg):
         out = ops.ring_attention(q, k, v, axis_name="sp", layout=layout,
-                                  segment_ids=tuple(seg) if seg else None, backend="xla", **kwargs)
+                                  segment_ids=tuple(seg) if seg else None, backend=backend, **kwargs)
         return out, jax.lax.psum(jnp.sum(out.astype(jnp.float32) * cot), "sp")
 
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(seq, P())))
 
 
-def _check(n, B, T, N, K, H, layout="contiguous", segments=None, seed=0, **kwargs):
+def _check(n, B, T, N, K, H, layout="contiguous", segments=None, seed=0, backend="xla", tol=2e-5, **kwargs):
     mesh = _mesh(n)
     q, k, v, cot = _inputs(B, T, N, K, H, seed)
     seg_args = (segments, segments) if segments is not None else ()
@@ -59,20 +63,29 @@ def _check(n, B, T, N, K, H, layout="contiguous", segments=None, seed=0, **kwarg
     (ref_loss, ref_out), ref_grads = jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     arrange = (lambda x: ops.to_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
     unarrange = (lambda x: ops.from_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
-    fn = _ring_loss(mesh, layout, segments is not None, **kwargs)
+    fn = _ring_loss(mesh, layout, segments is not None, backend, **kwargs)
     args = [arrange(a) for a in (q, k, v, cot)] + [arrange(s) for s in seg_args]
     out, loss = fn(*args)
     grads = jax.grad(lambda q, k, v: fn(q, k, v, *args[3:])[1], argnums=(0, 1, 2))(*args[:3])
-    np.testing.assert_allclose(unarrange(out), ref_out, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(loss, ref_loss, rtol=2e-5, atol=1e-4)
+    np.testing.assert_allclose(unarrange(out), ref_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(loss, ref_loss, rtol=tol, atol=5 * tol)
     for got, want, name in zip(grads, ref_grads, "qkv"):
-        np.testing.assert_allclose(unarrange(got), want, rtol=2e-4, atol=2e-4, err_msg=f"d{name}")
+        np.testing.assert_allclose(unarrange(got), want, rtol=10 * tol, atol=10 * tol, err_msg=f"d{name}")
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_equals_attention_on_the_gathered_sequence(causal, layout):
     _check(4, B=2, T=64, N=4, K=2, H=16, layout=layout, causal=causal, seed=1)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU kernels as the ring's local attention (interpreted on CPU elsewhere)")
+@pytest.mark.parametrize("backend", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_with_the_gpu_kernels(backend, layout):
+    # f32 inputs: the kernels' f32 dots may run as TF32 (about 1e-3 relative) on the GPU.
+    _check(min(4, len(jax.devices())), B=1, T=1024, N=4, K=2, H=64, layout=layout, causal=True, seed=5,
+           backend=backend, tol=2e-3)
 
 
 def test_ring_over_eight_devices_with_mqa_and_soft_cap():
