@@ -15,12 +15,14 @@ _BACKENDS = {
     "xla": "forgeax.kernels.xla.ragged_dot:RAGGED_DOT",
     "xla_ragged": "forgeax.kernels.xla.ragged_dot:XLA_RAGGED",
     "triton": "forgeax.kernels.triton.ragged_dot:RAGGED_DOT",
+    "pallas_gpu": "forgeax.kernels.pallas.gpu.ragged_dot:RAGGED_DOT",
     "pallas_tpu": "forgeax.kernels.pallas.tpu.ragged_dot:RAGGED_DOT",
 }
 _TRANSPOSED_BACKENDS = {
     "xla": "forgeax.kernels.xla.ragged_dot:RAGGED_DOT_TRANSPOSED",
     "xla_ragged": "forgeax.kernels.xla.ragged_dot:XLA_RAGGED_TRANSPOSED",
     "triton": "forgeax.kernels.triton.ragged_dot:RAGGED_DOT_TRANSPOSED",
+    "pallas_gpu": "forgeax.kernels.pallas.gpu.ragged_dot:RAGGED_DOT_TRANSPOSED",
     "pallas_tpu": "forgeax.kernels.pallas.tpu.ragged_dot:RAGGED_DOT_TRANSPOSED",
 }
 
@@ -87,7 +89,8 @@ def ragged_dot(
       group_sizes: `[G]` int32.
       preferred_element_type: the result's dtype (default lhs's). Products accumulate in f32.
       backend: None (best for this device), "xla" (the reference: masked dense products per
-        group), "xla_ragged" (`jax.lax.ragged_dot`), "triton", or a user-registered name.
+        group), "xla_ragged" (`jax.lax.ragged_dot`), "triton", "pallas_gpu" (Mosaic GPU, Hopper,
+        bf16/f16 with K and N multiples of 64), "pallas_tpu", or a user-registered name.
       config: a kernel config of the chosen backend, or None.
 
     Returns:
