@@ -277,13 +277,13 @@ def test_targets_get_no_gradient():
 # ---------------------------------------------------------------- selection and bad input
 
 
-def test_triton_refuses_vocab_parallel_with_a_reason():
+def test_triton_supports_vocab_parallel():
+    # axis_name runs the Triton kernels on the local slice (tests/vocab_parallel_kernels_parallel_test.py).
     impl = interface.OPS["cross_entropy"].implementation("triton")
     if isinstance(impl, str):
         pytest.skip(impl)
     logits, targets = _inputs(2, 64, jnp.float32, seed=19)
-    reason = impl.supports(logits, targets, spec=LossSpec(axis_name="vocab"))
-    assert reason is not None and "axis_name" in reason
+    assert impl.supports(logits, targets, spec=LossSpec(axis_name="vocab")) is None
     assert impl.supports(logits, targets, spec=LossSpec()) is None
 
 

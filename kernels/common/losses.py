@@ -14,11 +14,14 @@ invalid tokens give 0 and a zero gradient. Reductions (`reduce_loss`): "none" (p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from forgeax.kernels.common.batching import ManualAxes
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -103,3 +106,88 @@ def logits_grad(logits: jax.Array, t: jax.Array, lse: jax.Array, scale: jax.Arra
     if th is not None:
         g = g * (1.0 - th * th)
     return jnp.where(valid, g, 0.0).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- vocabulary-parallel kernels
+# A kernel backend runs vocabulary-parallel (spec.axis_name, inside shard_map) with two kernels of
+# its own: `stats` over its [N, V_local] slice -> per-row partial statistics, combined here with
+# collectives, and its gradient kernel, given the combined (global) lse, the global vocabulary
+# (for ls / V) and the shard-local targets of `local_targets`.
+
+ELSEWHERE = 2**31 - 1  # a local target: the token counts, its class lives on another shard
+
+
+def local_targets(t: jax.Array, spec: LossSpec, local: int) -> jax.Array:
+    """Global int32 targets (-1 = ignored) -> this shard's column: t - first when the class is in
+    this shard's slice, -1 for an ignored token, ELSEWHERE for a counted token whose class is not
+    here (it matches no column and is not ignored). Without axis_name: t."""
+    if spec.axis_name is None:
+        return t
+    first, _ = vocab_range(spec, local)
+    here = t - first
+    return jnp.where(t < 0, -1, jnp.where((here >= 0) & (here < local), here, ELSEWHERE))
+
+
+def combine_partials(lse_local, z_target, z_sum, t: jax.Array, spec: LossSpec, vocab):
+    """(loss [N] (0 where t < 0), lse [N]) f32 from each shard's per-row partials over its slice:
+    lse_local = log sum_v exp(z_v), z_target = z[t] on the shard that holds t (else 0), z_sum =
+    sum_v z_v (None without label smoothing). One pmax and one psum over spec.axis_name:
+
+        lse = M + log psum(exp(lse_local - M)),  M = pmax(lse_local)
+        loss = lse - (1 - ls) psum(z_target) - ls / V psum(z_sum) + z_loss lse^2"""
+    lse = lse_local
+    if spec.axis_name is not None:
+        m = lax.pmax(lse_local, spec.axis_name)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)  # all -inf (masked rows): no inf - inf
+        sums = (jnp.exp(lse_local - m), z_target) + ((z_sum,) if spec.label_smoothing else ())
+        sums = lax.psum(sums, spec.axis_name)
+        lse, z_target = m + jnp.log(sums[0]), sums[1]
+        z_sum = sums[2] if spec.label_smoothing else None
+    loss = lse - (1.0 - spec.label_smoothing) * z_target
+    if spec.label_smoothing:
+        loss = loss - spec.label_smoothing / vocab * z_sum
+    if spec.z_loss:
+        loss = loss + spec.z_loss * lse * lse
+    return jnp.where(t >= 0, loss, 0.0), lse
+
+
+def vocab_parallel_loss(stats, logits: jax.Array, t: jax.Array, spec: LossSpec, t_local=None):
+    """(loss, lse) [N] f32, global, of [N, V_local] logits and global targets t (-1 = ignored):
+    `stats(logits, local_targets) -> (lse_local, z_target, z_sum)` is the backend's kernel;
+    t_local: `local_targets(t, ...)` when the caller has it."""
+    local = logits.shape[-1]
+    axes = ManualAxes.of(logits, t)
+    t_local = local_targets(t, spec, local) if t_local is None else t_local
+    lse_local, z_target, z_sum = stats(logits, t_local)
+    # Kernel outputs drop shard_map's varying type; the collectives need it (an invariant psum
+    # would multiply by the axis size).
+    lse_local, z_target, z_sum = (axes.apply(a) for a in (lse_local, z_target, z_sum))
+    return combine_partials(lse_local, z_target, z_sum, t, spec, vocab_range(spec, local)[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 4))
+def vocab_parallel_per_token(stats, grad, logits, t, spec):
+    """Per-token loss [N] of [..., V_local] logits for the cross_entropy kernel backends with
+    spec.axis_name. `stats` as in `vocab_parallel_loss`; `grad(logits, local_targets, lse, scale)`
+    -> scale * d loss / d logits (the kernel takes the global lse; the global vocabulary is bound
+    in `grad`). Both static (hashable)."""
+    return _vp_fwd(stats, grad, logits, t, spec)[0]
+
+
+def _vp_fwd(stats, grad, logits, t, spec):
+    lead = logits.shape[:-1]
+    x2, t1 = logits.reshape(-1, logits.shape[-1]), t.reshape(-1)
+    t_local = local_targets(t1, spec, x2.shape[-1])
+    loss, lse = vocab_parallel_loss(stats, x2, t1, spec, t_local)
+    # The backward queries no axis (traced without vmap's axis environment): t_local is kept.
+    return loss.reshape(lead), (x2, t_local, lse, ManualAxes.of(logits))
+
+
+def _vp_bwd(stats, grad, spec, residuals, ct):
+    del stats
+    x2, t_local, lse, axes = residuals
+    dx = grad(x2, t_local, lse, ct.reshape(-1).astype(jnp.float32))
+    return axes.apply(dx).reshape(ct.shape + x2.shape[-1:]), None
+
+
+vocab_parallel_per_token.defvjp(_vp_fwd, _vp_bwd)

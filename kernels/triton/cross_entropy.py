@@ -45,7 +45,7 @@ import triton.language as tl
 from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.partitioning import ROWS, rowwise
 from forgeax.core.config import KernelConfig
-from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
+from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets, vocab_parallel_per_token, vocab_range
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
 from forgeax.core.registry import Implementation
@@ -67,8 +67,8 @@ def _soft_cap(x, CAP: tl.constexpr):
 
 
 @triton.jit
-def _row_loss(X, row_start, target, V: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, LS: tl.constexpr, Z_LOSS: tl.constexpr):
-    """(loss, lse) of one row; loss is 0 when target < 0 (ignored)."""
+def _row_stats(X, row_start, target, V: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, LS: tl.constexpr):
+    """(lse, z[target] or 0 when target is not in [0, V), sum_v z (0 when LS == 0)) of one row."""
     cols = tl.arange(0, BLOCK_V)
     m = float("-inf")  # running max
     d = 0.0  # running sum of exp(z - m)
@@ -82,20 +82,27 @@ def _row_loss(X, row_start, target, V: tl.constexpr, BLOCK_V: tl.constexpr, CAP:
         m = m_new
         if LS > 0:
             z_sum += tl.where(mask, z, 0.0)
-    lse = m + tl.log(d)
-    valid = target >= 0
-    z_t = _soft_cap(tl.load(X + row_start + tl.where(valid, target, 0)).to(tl.float32), CAP)
-    loss = lse - (1.0 - LS) * z_t
-    if LS > 0:
-        loss -= LS / V * tl.sum(z_sum, axis=0)
-    if Z_LOSS > 0:
-        loss += Z_LOSS * lse * lse
-    return tl.where(valid, loss, 0.0), lse
+    here = (target >= 0) & (target < V)  # vocabulary-parallel: the class may live on another shard
+    z_t = _soft_cap(tl.load(X + row_start + tl.where(here, target, 0)).to(tl.float32), CAP)
+    return m + tl.log(d), tl.where(here, z_t, 0.0), tl.sum(z_sum, axis=0)
 
 
 @triton.jit
-def _row_grad(X, DX, row_start, target, lse, scale, V: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, LS: tl.constexpr, Z_LOSS: tl.constexpr):
-    """Writes scale * dloss/dx for one row (zeros when target < 0)."""
+def _row_loss(X, row_start, target, V: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, LS: tl.constexpr, Z_LOSS: tl.constexpr):
+    """(loss, lse) of one row; loss is 0 when target < 0 (ignored)."""
+    lse, z_t, z_sum = _row_stats(X, row_start, target, V, BLOCK_V, CAP, LS)
+    loss = lse - (1.0 - LS) * z_t
+    if LS > 0:
+        loss -= LS / V * z_sum
+    if Z_LOSS > 0:
+        loss += Z_LOSS * lse * lse
+    return tl.where(target >= 0, loss, 0.0), lse
+
+
+@triton.jit
+def _row_grad(X, DX, row_start, target, lse, scale, V: tl.constexpr, VG: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, LS: tl.constexpr, Z_LOSS: tl.constexpr):
+    """Writes scale * dloss/dx for one row (zeros when target < 0). VG: the global vocabulary
+    (V's ls / V term; > V when vocabulary-parallel, where lse is the global one)."""
     cols = tl.arange(0, BLOCK_V)
     valid = target >= 0
     scale = tl.where(valid, scale, 0.0)
@@ -111,7 +118,7 @@ def _row_grad(X, DX, row_start, target, lse, scale, V: tl.constexpr, BLOCK_V: tl
             z = x
         g = tl.exp(z - lse) * p_scale - tl.where(start + cols == target, hit, 0.0)
         if LS > 0:
-            g -= scale * (LS / V)
+            g -= scale * (LS / VG)
         if CAP > 0:
             g *= 1.0 - th * th  # d(cap tanh(x / cap))/dx
         g = tl.where(valid, g, 0.0)  # exact zeros on ignored rows, even for inf/nan logits
@@ -135,9 +142,18 @@ def _loss_kernel(X, T, LOSS, LSE, ROWS: tl.constexpr, V: tl.constexpr, BLOCK_V: 
 
 
 @triton.jit
-def _grad_kernel(X, T, LSE, SCALE, DX, ROWS: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, LS: tl.constexpr, Z_LOSS: tl.constexpr):
+def _grad_kernel(X, T, LSE, SCALE, DX, ROWS: tl.constexpr, V: tl.constexpr, VG: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, LS: tl.constexpr, Z_LOSS: tl.constexpr):
     row = tl.program_id(0)
-    _row_grad(X, DX, _row_start(row, ROWS, V), tl.load(T + row), tl.load(LSE + row), tl.load(SCALE + row), V, BLOCK_V, CAP, LS, Z_LOSS)
+    _row_grad(X, DX, _row_start(row, ROWS, V), tl.load(T + row), tl.load(LSE + row), tl.load(SCALE + row), V, VG, BLOCK_V, CAP, LS, Z_LOSS)
+
+
+@triton.jit
+def _stats_kernel(X, T, LSE, ZT, ZSUM, ROWS: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, LS: tl.constexpr, Z_LOSS: tl.constexpr):
+    row = tl.program_id(0)
+    lse, z_t, z_sum = _row_stats(X, _row_start(row, ROWS, V), tl.load(T + row), V, BLOCK_V, CAP, LS)
+    tl.store(LSE + row, lse)
+    tl.store(ZT + row, z_t)
+    tl.store(ZSUM + row, z_sum)
 
 
 @triton.jit
@@ -148,7 +164,7 @@ def _loss_grad_kernel(X, T, LOSS, LSE, DX, ROWS: tl.constexpr, V: tl.constexpr, 
     loss, lse = _row_loss(X, start, target, V, BLOCK_V, CAP, LS, Z_LOSS)
     tl.store(LOSS + row, loss)
     tl.store(LSE + row, lse)
-    _row_grad(X, DX, start, target, lse, 1.0, V, BLOCK_V, CAP, LS, Z_LOSS)
+    _row_grad(X, DX, start, target, lse, 1.0, V, V, BLOCK_V, CAP, LS, Z_LOSS)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -208,7 +224,7 @@ def candidate_configs(logits, targets, *, spec: LossSpec) -> list[CrossEntropyTr
     ]
 
 
-def _launch(kernel, args, out_shape, rows: int, v: int, spec: LossSpec, config, aliases=None):
+def _launch(kernel, args, out_shape, rows: int, v: int, spec: LossSpec, config, aliases=None, **constexprs):
     block_v = min(config.block_v, triton.next_power_of_2(v))
     num_warps = max(1, min(config.num_warps, block_v // 256))
     # aliases: {input index: output index} written in place (GPU only; the interpreter copies).
@@ -223,6 +239,7 @@ def _launch(kernel, args, out_shape, rows: int, v: int, spec: LossSpec, config, 
         num_stages=1,
         ROWS=rows, V=v, BLOCK_V=block_v,
         CAP=float(spec.soft_cap), LS=float(spec.label_smoothing), Z_LOSS=float(spec.z_loss),
+        **constexprs,
     )
 
 
@@ -236,11 +253,18 @@ def _loss_rows(x2, t, *, spec, config):
 # f32 logits and wants the gradient in the matmul dtype.
 # in_place: the gradient overwrites the logits (same dtype; each block is read before
 # it is written, by the program that owns the row).
-def _grad_rows(x2, t, lse, scale, *, spec, config, grad_dtype=None, in_place=False):
+# vocab: the global vocabulary when vocabulary-parallel (then t holds local_targets), else None.
+def _grad_rows(x2, t, lse, scale, *, spec, config, grad_dtype=None, in_place=False, vocab=None):
     rows, v = x2.shape
     dx = jax.ShapeDtypeStruct(x2.shape, grad_dtype or x2.dtype)
     aliases = {0: 0} if in_place and dx.dtype == x2.dtype else None
-    return _launch(_grad_kernel, (x2, t, lse, scale), dx, rows, v, spec, config, aliases)
+    return _launch(_grad_kernel, (x2, t, lse, scale), dx, rows, v, spec, config, aliases, VG=int(vocab or v))
+
+
+def _stats_rows(x2, t, *, spec, config):
+    rows, v = x2.shape
+    row_f32 = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    return _launch(_stats_kernel, (x2, t), (row_f32,) * 3, rows, v, spec, config)
 
 
 def _loss_grad_rows(x2, t, *, spec, config, grad_dtype=None, in_place=False):
@@ -256,7 +280,7 @@ def _loss_grad_rows(x2, t, *, spec, config, grad_dtype=None, in_place=False):
 # partitioner splits over any mesh axes (kernels/common/partitioning.py); the kernels see them flat.
 def _rowwise(fn, spec, config, n_args, **static):
     kernel = functools.partial(fn, spec=spec, config=config, **static)
-    outs = ROWS if fn is _grad_rows else (ROWS,) * (3 if fn is _loss_grad_rows else 2)
+    outs = ROWS if fn is _grad_rows else (ROWS,) * (3 if fn in (_loss_grad_rows, _stats_rows) else 2)
 
     def launch(*args):
         return rowwise(kernel, (ROWS,) * n_args, outs, row_ndim=args[0].ndim - 1)(*args)
@@ -310,9 +334,23 @@ def loss_and_grad_rows(logits2d, targets, spec: LossSpec, config, grad_dtype=Non
     return _rowwise(_loss_grad_rows, spec, config, 2, grad_dtype=grad_dtype, in_place=in_place)(logits2d, targets)
 
 
-def grad_rows(logits2d, targets, lse, scale, spec: LossSpec, config, grad_dtype=None, in_place=False):
-    """scale[:, None] * d loss_row / d logits, given the rows' lse (f32 [N]) and scale (f32 [N])."""
-    return _rowwise(_grad_rows, spec, config, 4, grad_dtype=grad_dtype, in_place=in_place)(logits2d, targets, lse, scale)
+def grad_rows(logits2d, targets, lse, scale, spec: LossSpec, config, grad_dtype=None, in_place=False, vocab=None):
+    """scale[:, None] * d loss_row / d logits, given the rows' lse (f32 [N]) and scale (f32 [N]).
+    Vocabulary-parallel: targets from `losses.local_targets`, lse the global one, vocab the global V."""
+    return _rowwise(_grad_rows, spec, config, 4, grad_dtype=grad_dtype, in_place=in_place, vocab=vocab)(logits2d, targets, lse, scale)
+
+
+def stats_rows(logits2d, local_targets, spec: LossSpec, config):
+    """(lse, z[target] or 0, sum_v z) [N] f32 of one vocabulary slice (`losses.vocab_parallel_loss`)."""
+    return _rowwise(_stats_rows, spec, config, 2)(logits2d, local_targets)
+
+
+def vocab_parallel_kernels(vocab: int, spec: LossSpec, config, grad_dtype=None, in_place=False):
+    """(stats, grad) of `losses.vocab_parallel_loss` / `vocab_parallel_per_token` (hashable
+    partials); vocab: the global vocabulary (static)."""
+    return (functools.partial(stats_rows, spec=spec, config=config),
+            functools.partial(grad_rows, spec=spec, config=config, grad_dtype=grad_dtype, vocab=vocab, in_place=in_place))
+
 
 
 # ----------------------------------------------------------------------------- public entry point
@@ -320,20 +358,19 @@ def grad_rows(logits2d, targets, lse, scale, spec: LossSpec, config, grad_dtype=
 
 def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: CrossEntropyTritonConfig | None = None):
     """The op's contract (forgeax.ops.cross_entropy); config None: `heuristic_config`."""
-    if spec.axis_name is not None:
-        raise NotImplementedError("the Triton cross_entropy has no vocabulary-parallel path; use backend='xla'")
     config = config or heuristic_config(logits, targets, spec=spec)
-    v = logits.shape[-1]
+    v = vocab_range(spec, logits.shape[-1])[1]  # the global vocabulary
     t = targets.astype(jnp.int32)  # leading axes kept: a token-sharded [B, T, V] stays sharded
     valid = valid_targets(t, v, spec)
+    if spec.axis_name is not None:  # vocabulary-parallel: partial statistics + collectives
+        loss = vocab_parallel_per_token(*vocab_parallel_kernels(v, spec, config), logits, jnp.where(valid, t, -1), spec)
+        return reduce_loss(loss, valid, spec.reduction)
     loss = _per_token(logits, jnp.where(valid, t, -1), spec, config)
     return reduce_loss(loss, valid, spec.reduction)
 
 
 def _supports(logits, targets, *, spec: LossSpec = LossSpec()):
-    del targets
-    if spec.axis_name is not None:
-        return "vocabulary-parallel (axis_name) runs in the xla backend only"
+    del targets, spec
     if logits.dtype not in _DTYPES:
         return f"logits dtype {jnp.dtype(logits.dtype).name} is not one of float32/bfloat16/float16"
     if logits.shape[-1] == 0 or logits.size == 0:

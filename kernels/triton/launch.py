@@ -24,6 +24,7 @@ interpreter a loop bound must be a constexpr.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import jax
@@ -160,6 +161,12 @@ def _poisoned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return np.full(shape, fill, dtype=dtype)
 
 
+# Triton's interpreter patches triton.language module-wide for the duration of a launch: it is
+# not thread-safe. Several devices' callbacks (shard_map over CPU devices) run concurrently and
+# deadlock without this.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _interpret_call(*args: Any, kernel: Any, out_shape: Any, grid: Any, **metaparams: Any) -> Any:
     interpreted = _interpreter()(getattr(kernel, "fn", kernel))  # JITFunction -> its Python source
     out_leaves, out_tree = jax.tree.flatten(out_shape)
@@ -172,7 +179,8 @@ def _interpret_call(*args: Any, kernel: Any, out_shape: Any, grid: Any, **metapa
         # Fresh C-contiguous copies: the kernel must not see (or write) jax's buffers.
         call_args = [_NpTensor(np.array(next(inputs), order="C")) if flag else a for a, flag in zip(args, is_array)]
         outs = [_poisoned(s.shape, s.dtype) for s in out_leaves]
-        interpreted[launch_grid](*call_args, *[_NpTensor(o) for o in outs], **metaparams)
+        with _INTERPRETER_LOCK:  # one launch at a time (see _INTERPRETER_LOCK)
+            interpreted[launch_grid](*call_args, *[_NpTensor(o) for o in outs], **metaparams)
         return outs
 
     result_shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_leaves]

@@ -25,7 +25,9 @@ Rows: all N, or a multiple of 8 (f32) / 16 (bf16, f16). Vocabulary: all V when V
 else block_v (a multiple of 128); the last vocab block then reads past V (NaN in the
 interpreter) and an iota mask (`where`, never a multiply: 0 * NaN is NaN) keeps those lanes
 out of every sum. Rows past N in a ragged row block compute garbage whose writes are dropped.
-`supports` refuses axis_name (vocabulary-parallel) and dtypes other than f32/bf16/f16.
+Vocabulary-parallel (axis_name, inside shard_map): `_fwd_kernel(partials=True)` writes the
+slice's (lse, z[target], sum z), combined with one pmax + one psum (kernels/common/losses.py);
+`_bwd_kernel` takes the global lse and V. `supports` refuses dtypes other than f32/bf16/f16.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.partitioning import ROWS, rowwise
-from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
+from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets, vocab_parallel_per_token, vocab_range
 from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
@@ -148,7 +150,12 @@ def _logits_tile(x_ref, t: Tiling, cap: float):
     return x, z, th, cols, in_range
 
 
-def _fwd_kernel(x_ref, t_ref, loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc, *, t: Tiling, spec: LossSpec):
+def _fwd_kernel(x_ref, t_ref, *refs, t: Tiling, spec: LossSpec, partials: bool = False):
+    # partials (vocabulary-parallel): outputs (lse, z[target] or 0, sum z) of this slice, not (loss, lse).
+    if partials:
+        lse_ref, zt_ref, zs_ref, m_sc, s_sc, zt_sc, zsum_sc = refs
+    else:
+        loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc = refs
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -174,6 +181,9 @@ def _fwd_kernel(x_ref, t_ref, loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc, *, 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
         lse = m_sc[...] + jnp.log(s_sc[...])
+        if partials:
+            lse_ref[...], zt_ref[...], zs_ref[...] = lse, zt_sc[...], zsum_sc[...]
+            return
         loss = lse - (1.0 - spec.label_smoothing) * zt_sc[...]
         if spec.label_smoothing:
             loss = loss - (spec.label_smoothing / t.vocab) * zsum_sc[...]
@@ -183,7 +193,7 @@ def _fwd_kernel(x_ref, t_ref, loss_ref, lse_ref, m_sc, s_sc, zt_sc, zsum_sc, *, 
         lse_ref[...] = lse
 
 
-def _bwd_kernel(x_ref, t_ref, lse_ref, ct_ref, dx_ref, *, t: Tiling, spec: LossSpec):
+def _bwd_kernel(x_ref, t_ref, lse_ref, ct_ref, dx_ref, *, t: Tiling, spec: LossSpec, vocab: int):
     _, z, th, cols, _ = _logits_tile(x_ref, t, spec.soft_cap)
     target = t_ref[...]
     valid = target >= 0
@@ -192,7 +202,7 @@ def _bwd_kernel(x_ref, t_ref, lse_ref, ct_ref, dx_ref, *, t: Tiling, spec: LossS
     p_scale = scale * (1.0 + 2.0 * spec.z_loss * lse)  # d(lse + z_loss lse^2)/dlse
     g = jnp.exp(z - lse) * p_scale - jnp.where(cols == target, scale * (1.0 - spec.label_smoothing), 0.0)
     if spec.label_smoothing:
-        g = g - scale * (spec.label_smoothing / t.vocab)
+        g = g - scale * (spec.label_smoothing / vocab)  # the global vocabulary
     if spec.soft_cap:
         g = g * (1.0 - th * th)  # d(cap tanh(x / cap))/dx
     # Exact zeros on ignored rows, even for inf/NaN logits. Lanes past V are dropped on write.
@@ -218,16 +228,18 @@ def _pallas(kernel, *, t: Tiling, in_specs, out_specs, out_shape, semantics, cos
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_call(t: Tiling, dtype, spec: LossSpec, interpret: bool):
-    """(N, V) logits, (N, 1) int32 targets -> (loss, lse), each (N, 1) f32."""
+def _fwd_call(t: Tiling, dtype, spec: LossSpec, interpret: bool, partials: bool = False):
+    """(N, V) logits, (N, 1) int32 targets -> (loss, lse), each (N, 1) f32; partials:
+    (lse, z[target], sum z) of this vocabulary slice."""
     col_f32 = jax.ShapeDtypeStruct((t.rows, 1), _F32)
     size = t.rows * t.vocab
+    outs = 3 if partials else 2
     return _pallas(
-        functools.partial(_fwd_kernel, t=t, spec=spec),
+        functools.partial(_fwd_kernel, t=t, spec=spec, partials=partials),
         t=t,
         in_specs=[t.tile(), t.column()],
-        out_specs=[t.column(), t.column()],
-        out_shape=[col_f32, col_f32],
+        out_specs=[t.column()] * outs,
+        out_shape=[col_f32] * outs,
         scratch_shapes=[pltpu.VMEM((t.block_rows, 1), _F32) for _ in range(4)],
         semantics=("parallel", "arbitrary"),
         cost=pl.CostEstimate(flops=6 * size, transcendentals=size * (2 if spec.soft_cap else 1), bytes_accessed=size * dtype.itemsize),
@@ -236,12 +248,12 @@ def _fwd_call(t: Tiling, dtype, spec: LossSpec, interpret: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_call(t: Tiling, dtype, spec: LossSpec, interpret: bool, grad_dtype=None):
+def _bwd_call(t: Tiling, dtype, spec: LossSpec, interpret: bool, grad_dtype=None, vocab=None):
     """(N, V) logits, (N, 1) int32 targets, lse, cotangent (N, 1) f32 -> dx (N, V) in grad_dtype (default: the logits')."""
     size = t.rows * t.vocab
     grad_dtype = dtype if grad_dtype is None else jnp.dtype(grad_dtype)  # (np.dtype is falsy: no `or`)
     return _pallas(
-        functools.partial(_bwd_kernel, t=t, spec=spec),
+        functools.partial(_bwd_kernel, t=t, spec=spec, vocab=vocab or t.vocab),
         t=t,
         in_specs=[t.tile(), t.column(), t.column(), t.column()],
         out_specs=t.tile(),
@@ -260,13 +272,18 @@ def _loss_rows(x2, t, *, spec: LossSpec, config):
     return _fwd_call(tiling(rows, v, x2.dtype, config), jnp.dtype(x2.dtype), spec, interpret_enabled())(x2, t)
 
 
-def _grad_rows(x2, t, lse, ct, *, spec: LossSpec, config, grad_dtype=None):
+def _grad_rows(x2, t, lse, ct, *, spec: LossSpec, config, grad_dtype=None, vocab=None):
     rows, v = x2.shape
     # The row block must suit both the logits' and the gradient's dtype (16 rows for 16-bit).
     grad_dtype = jnp.dtype(x2.dtype if grad_dtype is None else grad_dtype)
     narrow = min(jnp.dtype(x2.dtype), grad_dtype, key=lambda d: d.itemsize)
-    call = _bwd_call(tiling(rows, v, narrow, config), jnp.dtype(x2.dtype), spec, interpret_enabled(), grad_dtype)
+    call = _bwd_call(tiling(rows, v, narrow, config), jnp.dtype(x2.dtype), spec, interpret_enabled(), grad_dtype, vocab)
     return call(x2, t, lse, ct)
+
+
+def _stats_rows(x2, t, *, spec: LossSpec, config):
+    rows, v = x2.shape
+    return _fwd_call(tiling(rows, v, x2.dtype, config), jnp.dtype(x2.dtype), spec, interpret_enabled(), True)(x2, t)
 
 
 # Row kernels under vmap: a batch axis folds into the rows (every argument is per row).
@@ -274,7 +291,7 @@ def _grad_rows(x2, t, lse, ct, *, spec: LossSpec, config, grad_dtype=None):
 # over any mesh axes (kernels/common/partitioning.py); the kernels see them flat.
 def _rowwise(fn, spec, config, n_args, **kwargs):
     kernel = functools.partial(fn, spec=spec, config=config, **kwargs)
-    outs = ROWS if fn is _grad_rows else (ROWS, ROWS)
+    outs = ROWS if fn is _grad_rows else (ROWS,) * (3 if fn is _stats_rows else 2)
 
     def launch(*args):
         return rowwise(kernel, (ROWS,) * n_args, outs, row_ndim=args[0].ndim - 1)(*args)
@@ -312,11 +329,25 @@ def loss_rows(logits2d, targets, spec: LossSpec, config: CrossEntropyPallasTpuCo
     return loss[:, 0], lse[:, 0]
 
 
-def grad_rows(logits2d, targets, lse, scale, spec: LossSpec, config: CrossEntropyPallasTpuConfig, grad_dtype=None):
+def grad_rows(logits2d, targets, lse, scale, spec: LossSpec, config: CrossEntropyPallasTpuConfig, grad_dtype=None, vocab=None):
     """scale[:, None] * d loss_row / d logits in grad_dtype (default the logits'), given the
-    rows' lse and scale (f32 [N]); exact zeros on ignored rows. One launch."""
+    rows' lse and scale (f32 [N]); exact zeros on ignored rows. One launch. Vocabulary-parallel:
+    targets from `losses.local_targets`, lse the global one, vocab the global V."""
     col = lambda a: a.astype(_F32)[:, None]  # noqa: E731
-    return _rowwise(_grad_rows, spec, config, 4, grad_dtype=grad_dtype)(logits2d, targets[:, None], col(lse), col(scale))
+    return _rowwise(_grad_rows, spec, config, 4, grad_dtype=grad_dtype, vocab=vocab)(logits2d, targets[:, None], col(lse), col(scale))
+
+
+def stats_rows(logits2d, local_targets, spec: LossSpec, config: CrossEntropyPallasTpuConfig):
+    """(lse, z[target] or 0, sum_v z) [N] f32 of one vocabulary slice (`losses.vocab_parallel_loss`)."""
+    return tuple(a[:, 0] for a in _rowwise(_stats_rows, spec, config, 2)(logits2d, local_targets[:, None]))
+
+
+def vocab_parallel_kernels(vocab: int, spec: LossSpec, config: CrossEntropyPallasTpuConfig, grad_dtype=None):
+    """(stats, grad) of `losses.vocab_parallel_loss` / `vocab_parallel_per_token` (hashable
+    partials); vocab: the global vocabulary (static)."""
+    return (functools.partial(stats_rows, spec=spec, config=config),
+            functools.partial(grad_rows, spec=spec, config=config, grad_dtype=grad_dtype, vocab=vocab))
+
 
 
 # ----------------------------------------------------------------------------- public entry point
@@ -324,14 +355,14 @@ def grad_rows(logits2d, targets, lse, scale, spec: LossSpec, config: CrossEntrop
 
 def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: CrossEntropyPallasTpuConfig | None = None):
     """The op's contract (forgeax.ops.cross_entropy) on one device; config None: `heuristic_config`."""
-    if spec.axis_name is not None:
-        raise NotImplementedError("the Mosaic TPU cross_entropy has no vocabulary-parallel path; use backend='xla'")
     config = config or heuristic_config(logits, targets, spec=spec)
-    v = logits.shape[-1]
+    v = vocab_range(spec, logits.shape[-1])[1]  # the global vocabulary
     t = targets.astype(jnp.int32)  # leading axes kept: a token-sharded [B, T, V] stays sharded
     valid = valid_targets(t, v, spec)
     if t.size == 0:  # no tokens: nothing to launch (a zero-size grid is not a kernel)
         loss = jnp.zeros(targets.shape, _F32)
+    elif spec.axis_name is not None:  # vocabulary-parallel: partial statistics + collectives
+        loss = vocab_parallel_per_token(*vocab_parallel_kernels(v, spec, config), logits, jnp.where(valid, t, -1), spec)
     else:
         column = jnp.where(valid, t, -1)[..., None]
         loss = _per_token(logits, column, spec, config).reshape(targets.shape)
@@ -339,9 +370,7 @@ def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: Cross
 
 
 def _supports(logits, targets, *, spec: LossSpec = LossSpec()):
-    del targets
-    if spec.axis_name is not None:
-        return "vocabulary-parallel (axis_name) runs in the xla backend only"
+    del targets, spec
     if jnp.dtype(logits.dtype) not in _DTYPES:
         return f"logits dtype {jnp.dtype(logits.dtype).name} is not one of float32/bfloat16/float16"
     if logits.shape[-1] == 0:
