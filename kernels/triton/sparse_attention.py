@@ -48,31 +48,39 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 _BLOCK_SIZES = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 _WARPS = (1, 2, 4, 8, 16)
+# Shared memory one program may ask for on sm_90 (227 KB; the launch fails above it).
+SHARED_MEMORY_BYTES = 232448
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TritonSparseAttentionConfig(KernelConfig):
-    """Launch shape of one call. `heads`: query heads per forward / dQ program (a power of two;
-    each program holds heads * block_size rows); `bwd_heads`: query heads per dK/dV tile. A
-    call uses the largest power of two <= the field that divides its G = N // K."""
+    """Launch shape of one call. `heads` / `dq_heads`: query heads per forward / dQ program (each
+    holds heads * block_size rows); `bwd_heads`: query heads per dK/dV tile ([block_size keys,
+    bwd_heads * block_size queries]). A call uses the largest power of two <= the field that
+    divides its G = N // K. `fused_backward`: dK/dV and dQ programs in one launch (sharing
+    bwd_warps / bwd_stages) rather than two."""
 
     heads: int
     fwd_warps: int
     fwd_stages: int
+    dq_heads: int
     bwd_heads: int
     bwd_warps: int
     bwd_stages: int
+    fused_backward: bool = True
 
     def validate(self) -> None:
         super().validate()
         name = type(self).__name__
-        for field in ("heads", "bwd_heads"):
+        for field in ("heads", "dq_heads", "bwd_heads"):
             value = getattr(self, field)
             if value & (value - 1):
                 raise ValueError(f"{name}.{field}: expected a power of two, got {value}")
         for field in ("fwd_warps", "bwd_warps"):
             if getattr(self, field) not in _WARPS:
                 raise ValueError(f"{name}.{field}: expected one of {_WARPS}, got {getattr(self, field)}")
+        if not isinstance(self.fused_backward, bool):
+            raise ValueError(f"{name}.fused_backward: expected a bool, got {self.fused_backward!r}")
 
 
 def _heads(wanted: int, group: int) -> int:
@@ -83,31 +91,68 @@ def _heads(wanted: int, group: int) -> int:
     return g
 
 
+def shared_memory(q, v, spec: SparseAttentionSpec, config: TritonSparseAttentionConfig) -> dict[str, int]:
+    """Bytes of shared memory each kernel asks for (Triton's pipeliner keeps `stages` copies of
+    the tiles loaded in the loop, plus the tiles loaded once): forward, dQ, dK/dV; the fused
+    backward takes the larger of the last two. Fitted to Triton 3.6's sm_90 lowering at 16 bits."""
+    size = jnp.dtype(q.dtype).itemsize
+    bs = spec.block_size
+    hp, hvp = padded_dim(q.shape[3]), padded_dim(v.shape[3])
+    group = q.shape[2] // v.shape[2]
+    fwd_rows = _heads(config.heads, group) * bs
+    dq_rows = _heads(config.dq_heads, group) * bs
+    dkdv_rows = _heads(config.bwd_heads, group) * bs
+    return {
+        "forward": size * (config.fwd_stages * bs * (hp + hvp) + fwd_rows * hp),
+        "dq": size * (config.bwd_stages * bs * (hp + hvp) + dq_rows * (hp + hvp)),
+        "dkdv": size * (bs * (hp + hvp) + dkdv_rows * ((config.bwd_stages - 1) * (hp + hvp) + bs))
+        + dkdv_rows * (config.bwd_stages - 1) * 8,
+    }
+
+
+def _fits(q, v, spec: SparseAttentionSpec, config: TritonSparseAttentionConfig) -> bool:
+    return max(shared_memory(q, v, spec, config).values()) <= SHARED_MEMORY_BYTES
+
+
 def heuristic_config(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> TritonSparseAttentionConfig:
-    """About 128 rows per forward / dQ program and per dK/dV tile (FlashAttention-2's 128 x 64
-    shape at block_size 64); 8 warps from 128 rows, 4 below. Not tuned on a GPU yet."""
-    del v, block_indices
+    """128 rows per forward / dQ program and per dK/dV tile where the GQA group allows (the dense
+    kernels' 128 x 64 shape at block_size 64); 8 warps from 128 rows, 4 below; 3 stages, fewer
+    where Hopper's shared memory would not hold them."""
+    del block_indices
     if interpret_enabled():
-        return TritonSparseAttentionConfig(heads=2, fwd_warps=4, fwd_stages=1, bwd_heads=2, bwd_warps=4, bwd_stages=1)
+        return TritonSparseAttentionConfig(heads=2, fwd_warps=4, fwd_stages=1, dq_heads=2, bwd_heads=2, bwd_warps=4,
+                                           bwd_stages=1)
     heads = max(1, 128 // spec.block_size)
     rows = _heads(heads, q.shape[2] // k.shape[2]) * spec.block_size
     warps = 8 if rows >= 128 and padded_dim(q.shape[3]) >= 64 else 4
-    stages = 2 if jnp.dtype(q.dtype).itemsize == 4 or padded_dim(q.shape[3]) > 128 else 3
-    return TritonSparseAttentionConfig(heads=heads, fwd_warps=warps, fwd_stages=stages, bwd_heads=heads,
-                                       bwd_warps=warps, bwd_stages=stages)
+    config = TritonSparseAttentionConfig(heads=heads, fwd_warps=warps, fwd_stages=3, dq_heads=heads, bwd_heads=heads,
+                                         bwd_warps=warps, bwd_stages=3)
+    return _fit_stages(q, v, spec, config)
+
+
+def _fit_stages(q, v, spec, config: TritonSparseAttentionConfig) -> TritonSparseAttentionConfig:
+    """config with fwd_stages / bwd_stages lowered (not below 1) until shared memory holds them."""
+    while config.fwd_stages > 1 and shared_memory(q, v, spec, config)["forward"] > SHARED_MEMORY_BYTES:
+        config = config.replace(fwd_stages=config.fwd_stages - 1)
+    mem = shared_memory(q, v, spec, config)
+    while config.bwd_stages > 1 and max(mem["dq"], mem["dkdv"]) > SHARED_MEMORY_BYTES:
+        config = config.replace(bwd_stages=config.bwd_stages - 1)
+        mem = shared_memory(q, v, spec, config)
+    return config
 
 
 def candidate_configs(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> tuple[TritonSparseAttentionConfig, ...]:
-    """The heuristic's config, then heads halved / doubled, warps 4 / 8 and stages 2..4 per half."""
+    """The heuristic's config, then one field moved at a time: heads halved / doubled (forward,
+    dQ, dK/dV), warps 4 / 8, stages 2..4, the backward unfused; those whose shared memory fits."""
     base = heuristic_config(q, k, v, block_indices, spec=spec)
-    configs = [base]
+    configs = [base, base.replace(fused_backward=False)]
     for heads in (base.heads // 2, base.heads * 2):
         if heads >= 1:
-            configs += [base.replace(heads=heads), base.replace(bwd_heads=heads)]
+            configs += [base.replace(heads=heads), base.replace(dq_heads=heads), base.replace(bwd_heads=heads)]
     for warps in (4, 8):
         for stages in (2, 3, 4):
             configs += [base.replace(fwd_warps=warps, fwd_stages=stages), base.replace(bwd_warps=warps, bwd_stages=stages)]
-    return tuple(dict.fromkeys(configs))
+    return tuple(c for c in dict.fromkeys(configs) if _fits(q, v, spec, c))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -233,13 +278,16 @@ def _dq_step(dq, q, do, lse2, d, j, t, b, kh, K, V, T: tl.constexpr, S: tl.const
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, COLS, COUNTS, FULL, DO, LSE, DELTA, DQ, T: tl.constexpr, S: tl.constexpr,
-               N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr,
-               HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr,
-               GH: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
+def _dq_program(pid, Q, K, V, COLS, COUNTS, FULL, DO, LSE, DELTA, DQ, B: tl.constexpr, T: tl.constexpr,
+                S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr,
+                BS: tl.constexpr, GH: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
+    """dq of GH query heads of one query block; pid in [0, NQ * B * N / GH), the last (heaviest
+    under causal selection) query blocks first."""
     NQ: tl.constexpr = (T + BS - 1) // BS
-    i = tl.num_programs(0) - 1 - tl.program_id(0)
-    b, kh, n0, head, row = _query_rows(tl.program_id(1), KH, N // KH, GH, BS)
+    PER_BLOCK: tl.constexpr = B * N // GH
+    i = NQ - 1 - pid // PER_BLOCK
+    b, kh, n0, head, row = _query_rows(pid % PER_BLOCK, KH, N // KH, GH, BS)
     t = i * BS + row
     n = n0 + head
     q = _rows(Q, b, t, n, T, N, H, HP, True)
@@ -261,62 +309,91 @@ def _dq_kernel(Q, K, V, COLS, COUNTS, FULL, DO, LSE, DELTA, DQ, T: tl.constexpr,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, kk, vv, i, s, b, kh, Q, DO, LSE, DELTA, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
-               KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
-               SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr, GH: tl.constexpr,
-               DOT: tl.constexpr, MASKED: tl.constexpr):
-    """dk, dv of key block s from query block i, over the G query heads of kv head kh, GH at a time
-    (tiles are [keys, queries])."""
+def _dkdv_step(dkt, dvt, kk, vv, it, rows, s, b, kh, Q, DO, LSE, DELTA, T: tl.constexpr, S: tl.constexpr,
+               N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr,
+               HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr,
+               GH: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
+    """dk^T, dv^T of key block s from step `it` = (reader w, head tile g) of its transposed-table
+    row: query block rows[w], query heads g*GH .. g*GH+GH-1 of kv head kh. Tiles are [queries,
+    keys] and the accumulators [head dim, keys], so every product has M = GH * BS or the head dim
+    (128 rows fill two Hopper warpgroups; M = BS = 64 rows would split N and shuffle operands).
+    One flat loop over (w, g) rather than a head loop nested in the reader loop: Triton pipelines
+    the innermost loop only, and G / GH is often 2."""
     G: tl.constexpr = N // KH
+    GROUPS: tl.constexpr = G // GH
     QTAIL: tl.constexpr = T % BS != 0  # rows past T exist only in the last query block
+    i = tl.load(rows + it // GROUPS)
     r = tl.arange(0, GH * BS)
     t = i * BS + r % BS
-    for g0 in range(0, G, GH):
-        n = kh * G + g0 + r // BS
-        q = _rows(Q, b, t, n, T, N, H, HP, QTAIL)
-        do = _rows(DO, b, t, n, T, N, HV, HVP, QTAIL)
-        lse2, d = _row_stats(LSE, DELTA, b, n, t, T, N)
-        zt, tht = _logits2(dot(kk, tl.trans(q), DOT), t[None, :], s[:, None], T, S, SCALE, CAP, CAUSAL, MASKED)
-        pt = tl.math.exp2(zt - lse2[None, :])
-        dv += dot(pt.to(do.dtype), do, DOT)
-        dzt = pt * (dot(vv, tl.trans(do), DOT) - d[None, :])
-        if CAP > 0:
-            dzt = dzt * (1.0 - tht * tht)
-        dk += dot(dzt.to(q.dtype), q, DOT)
-    return dk, dv
+    n = kh * G + (it % GROUPS) * GH + r // BS
+    q = _rows(Q, b, t, n, T, N, H, HP, QTAIL)
+    do = _rows(DO, b, t, n, T, N, HV, HVP, QTAIL)
+    lse2, d = _row_stats(LSE, DELTA, b, n, t, T, N)
+    z, th = _logits2(dot(q, tl.trans(kk), DOT), t[:, None], s[None, :], T, S, SCALE, CAP, CAUSAL, MASKED)
+    p = tl.math.exp2(z - lse2[:, None])
+    dvt += dot(tl.trans(do), p.to(do.dtype), DOT)
+    dz = p * (dot(do, tl.trans(vv), DOT) - d[:, None])
+    if CAP > 0:
+        dz = dz * (1.0 - th * th)
+    dkt += dot(tl.trans(q), dz.to(q.dtype), DOT)
+    return dkt, dvt
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, ROWS, COUNTS, MASKS, DO, LSE, DELTA, DK, DV, T: tl.constexpr, S: tl.constexpr,
-                 N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr,
-                 HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr,
-                 BS: tl.constexpr, GH: tl.constexpr, DOT: tl.constexpr):
+def _dkdv_program(pid, Q, K, V, ROWS, COUNTS, MASKS, DO, LSE, DELTA, DK, DV, B: tl.constexpr, T: tl.constexpr,
+                  S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                  HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr,
+                  BS: tl.constexpr, GH: tl.constexpr, DOT: tl.constexpr):
+    """dk, dv of one key block of one kv head, summed over its readers and the G query heads in
+    f32 registers, stored once; pid in [0, NK * B * KH), the first key blocks (the most readers
+    under causal selection) first."""
     NQ: tl.constexpr = (T + BS - 1) // BS
     NK: tl.constexpr = (S + BS - 1) // BS
-    j = tl.program_id(0)  # early key blocks first: under causal selection they have the most readers
-    bk = tl.program_id(1)
+    GROUPS: tl.constexpr = (N // KH) // GH
+    j = pid // (B * KH)
+    bk = pid % (B * KH)
     b = bk // KH
     kh = bk % KH
     s = j * BS + tl.arange(0, BS)
     kk = _rows(K, b, s, kh + 0 * s, S, KH, H, HP, True)
     vv = _rows(V, b, s, kh + 0 * s, S, KH, HV, HVP, True)
-    dk = tl.zeros([BS, HP], dtype=tl.float32)
-    dv = tl.zeros([BS, HVP], dtype=tl.float32)
+    dkt = tl.zeros([HP, BS], dtype=tl.float32)
+    dvt = tl.zeros([HVP, BS], dtype=tl.float32)
     table = bk * NK + j
     rows = ROWS + table.to(tl.int64) * NQ
-    masked = tl.load(MASKS + table)
-    for w in range(0, masked):  # the diagonal and the key tail
-        dk, dv = _dkdv_step(dk, dv, kk, vv, tl.load(rows + w), s, b, kh, Q, DO, LSE, DELTA, T, S, N, KH, H, HV,
-                            HP, HVP, SCALE, CAP, CAUSAL, BS, GH, DOT, True)
-    for w in range(masked, tl.load(COUNTS + table)):
-        dk, dv = _dkdv_step(dk, dv, kk, vv, tl.load(rows + w), s, b, kh, Q, DO, LSE, DELTA, T, S, N, KH, H, HV,
-                            HP, HVP, SCALE, CAP, CAUSAL, BS, GH, DOT, False)
+    masked = tl.load(MASKS + table) * GROUPS
+    for it in range(0, masked):  # the diagonal and the key tail
+        dkt, dvt = _dkdv_step(dkt, dvt, kk, vv, it, rows, s, b, kh, Q, DO, LSE, DELTA, T, S, N, KH, H, HV, HP, HVP,
+                              SCALE, CAP, CAUSAL, BS, GH, DOT, True)
+    for it in range(masked, tl.load(COUNTS + table) * GROUPS):
+        dkt, dvt = _dkdv_step(dkt, dvt, kk, vv, it, rows, s, b, kh, Q, DO, LSE, DELTA, T, S, N, KH, H, HV, HP, HVP,
+                              SCALE, CAP, CAUSAL, BS, GH, DOT, False)
     h = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
-    k_offs = b.to(tl.int64) * (S * KH * H) + s[:, None] * (KH * H) + kh * H + h[None, :]
-    v_offs = b.to(tl.int64) * (S * KH * HV) + s[:, None] * (KH * HV) + kh * HV + hv[None, :]
-    tl.store(DK + k_offs, (dk * SCALE).to(DK.dtype.element_ty), mask=(s[:, None] < S) & (h[None, :] < H))
-    tl.store(DV + v_offs, dv.to(DV.dtype.element_ty), mask=(s[:, None] < S) & (hv[None, :] < HV))
+    k_offs = b.to(tl.int64) * (S * KH * H) + s[None, :] * (KH * H) + kh * H + h[:, None]
+    v_offs = b.to(tl.int64) * (S * KH * HV) + s[None, :] * (KH * HV) + kh * HV + hv[:, None]
+    tl.store(DK + k_offs, (dkt * SCALE).to(DK.dtype.element_ty), mask=(s[None, :] < S) & (h[:, None] < H))
+    tl.store(DV + v_offs, dvt.to(DV.dtype.element_ty), mask=(s[None, :] < S) & (hv[:, None] < HV))
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, COLS, COUNTS, FULL, ROWS, ROW_COUNTS, MASKS, DO, LSE, DELTA, DQ, DK, DV,
+                B: tl.constexpr, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr,
+                H: tl.constexpr, HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
+                CAP: tl.constexpr, CAUSAL: tl.constexpr, BS: tl.constexpr, GH: tl.constexpr, KGH: tl.constexpr,
+                W: tl.constexpr, DOT: tl.constexpr, DKDV: tl.constexpr, DQ_PART: tl.constexpr):
+    """One backward launch, 1-D grid: with DKDV its first NK * B * KH programs do dK/dV, then
+    (with DQ_PART) NQ * B * N / GH programs do dQ. Both halves of one launch share warps and
+    stages; a launch with one half writes dummies for the other's outputs."""
+    NK: tl.constexpr = (S + BS - 1) // BS
+    NDKDV: tl.constexpr = NK * B * KH if DKDV else 0
+    pid = tl.program_id(0)
+    if pid < NDKDV:
+        _dkdv_program(pid, Q, K, V, ROWS, ROW_COUNTS, MASKS, DO, LSE, DELTA, DK, DV, B, T, S, N, KH, H, HV, HP,
+                      HVP, SCALE, CAP, CAUSAL, BS, KGH, DOT)
+    elif DQ_PART:
+        _dq_program(pid - NDKDV, Q, K, V, COLS, COUNTS, FULL, DO, LSE, DELTA, DQ, B, T, S, N, KH, H, HV, HP, HVP,
+                    SCALE, CAP, CAUSAL, BS, GH, W, DOT)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -345,24 +422,34 @@ def forward(q, k, v, block_indices, *, spec: SparseAttentionSpec, config: Triton
 
 def backward(q, k, v, block_indices, out, lse, dout, dlse, *, spec: SparseAttentionSpec,
              config: TritonSparseAttentionConfig):
-    """(dq, dk, dv) accumulated in f32, stored in q's / k's / v's dtypes."""
-    B, T, N, H = q.shape
-    S, KH, HV = k.shape[1], k.shape[2], v.shape[3]
+    """(dq, dk, dv) accumulated in f32, stored in q's / k's / v's dtypes: one `_bwd_kernel`
+    launch (config.fused_backward) or a dK/dV launch and a dQ launch."""
+    B, T, N, _ = q.shape
+    S, KH = k.shape[1], k.shape[2]
     statics = _statics(q, k, v, spec)
     delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32)) - dlse
     cols, counts, full = forward_table(block_indices, spec, T, S)
-    gh = _heads(config.heads, N // KH)
-    dq = triton_call(
-        q, k, v, cols, counts, full, dout, lse, delta, kernel=_dq_kernel,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(num_blocks(T, spec.block_size), B * N // gh), num_warps=config.bwd_warps, num_stages=config.bwd_stages,
-        GH=gh, W=cols.shape[-1], **statics)
     rows, row_counts, masked = transposed_table(block_indices, spec, T, S)
-    dk, dv = triton_call(
-        q, k, v, rows, row_counts, masked, dout, lse, delta, kernel=_dkdv_kernel,
-        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        grid=(num_blocks(S, spec.block_size), B * KH), num_warps=config.bwd_warps, num_stages=config.bwd_stages,
-        GH=_heads(config.bwd_heads, N // KH), **statics)
+    gh, kgh = _heads(config.dq_heads, N // KH), _heads(config.bwd_heads, N // KH)
+    n_dkdv = num_blocks(S, spec.block_size) * B * KH
+    n_dq = num_blocks(T, spec.block_size) * B * N // gh
+    shapes = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype), "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
+              "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
+    dummy = jax.ShapeDtypeStruct((1,), q.dtype)
+
+    def launch(dkdv: bool, dq_part: bool):
+        out_shape = (shapes["dq"] if dq_part else dummy, shapes["dk"] if dkdv else dummy,
+                     shapes["dv"] if dkdv else dummy)
+        return triton_call(
+            q, k, v, cols, counts, full, rows, row_counts, masked, dout, lse, delta, kernel=_bwd_kernel,
+            out_shape=out_shape, grid=(n_dkdv * dkdv + n_dq * dq_part,), num_warps=config.bwd_warps,
+            num_stages=config.bwd_stages, B=B, GH=gh, KGH=kgh, W=cols.shape[-1], DKDV=dkdv, DQ_PART=dq_part,
+            **statics)
+
+    if config.fused_backward:
+        return launch(True, True)
+    _, dk, dv = launch(True, False)
+    dq, _, _ = launch(False, True)
     return dq, dk, dv
 
 
