@@ -2,20 +2,23 @@
 
 Math and layout: kernels/xla/gated_linear_attention.py and kernels/common/gated_linear_attention.py.
 Arrays [R, Tp, N, *] (Tp a multiple of the chunk C); b = the f32 running sum of g inside each
-chunk (XLA computes it); h_c = the [K, V] state at the start of chunk c.
+chunk (XLA computes it), B its last row; h_c = the [K, V] state at the start of chunk c.
 
 Forward, two launches:
-  * states: one program per (K block, V block, row x head) walks the chunks in order, storing
-    h_c (f32) and the final state of each sequence that ends, loading initial states where a
-    sequence starts; h_{c+1} = exp(B_c) h_c + (k * exp(B_c - b))^T v   (tl.dot);
-  * output: one program per (16-row block i, row x head, V block), independent of the others:
-    o_i = scale [ (q_i e^{b_i}) h_c + sum_{j < i in chunk} A_ij v_j + A_ii v_i ], an off-diagonal
-    A_ij = (q_i e^{b_i - r}) (k_j e^{r - b_j})^T with r = b at block i's first row (tl.dot, every
-    exponent <= 0), the diagonal A_ii elementwise over K in [16, 16, 32] pieces.
+  * states: one program per (K block, V block, row x head) walks the chunks in order with the
+    state in f32 registers, storing h_c (in the inputs' dtype: the tensor-core operand) and the
+    final state of each sequence that ends, loading initial states where a sequence starts;
+    h_{c+1} = exp(B_c) h_c + (k * exp(B_c - b))^T v   (tl.dot);
+  * output: one program per (V block, chunk, row x head), whole-chunk tiles:
+    o = scale [ (q e^{b}) h_c + A v ], A[t, s] = sum_k q_t k_s e^{b_t - b_s} (s <= t). A is
+    built in registers from 16-row blocks: an off-diagonal block row i as one tl.dot of
+    (q e^{b - r_i}) and (k e^{r_i - b}) with r_i = b at block i's first row (every exponent
+    <= 0, stable for any g <= 0), the diagonal blocks elementwise over K. The program of the
+    first V block stores A for the backward.
 Backward, three launches (kernels/triton/gated_linear_attention_backward.py): dH (the state
-gradients, chunks in reverse, d initial states where a sequence starts), dq/dk per (16-row
-block, K block), dv per (16-row block, V block). dg is q dq - k dk reverse-summed within each
-sequence (XLA), plus the final-state term at each sequence's end.
+gradients, chunks in reverse, d initial states where a sequence starts), dq/dk per (chunk,
+K block), dv per (chunk, V block). dg is q dq - k dk reverse-summed within each sequence
+(XLA), plus the final-state term at each sequence's end.
 """
 
 from __future__ import annotations
@@ -31,85 +34,86 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.kernels.common.gated_linear_attention import (
-    SUB_CHUNK, GLASpec, chunk_cumsum, from_layout, gate_gradient_from, kernel_supports, lightning_gates, make_layout,
-    to_layout)
+    GLASpec, chunk_cumsum, from_layout, gate_gradient_from, kernel_supports, lightning_gates, make_layout, to_layout)
 from forgeax.kernels.triton import gated_linear_attention_backward as backward
 from forgeax.kernels.triton.attention_tiles import dot
-from forgeax.kernels.triton.gated_linear_attention_backward import diagonal_scores
+from forgeax.kernels.triton.gated_linear_attention_backward import load_rows, pow2_at_least, state_tile
 from forgeax.kernels.triton.launch import triton_call
 
-MAX_HEAD_DIM = 256  # K and V: whole-K / whole-V tiles of 16 rows stay in registers up to here
+MAX_HEAD_DIM = 256  # K and V: the dq/dk kernel holds [C, K block] tiles and loops over V blocks
 
 
 @triton.jit
 def _states_forward(K_, V_, B_, INIT, STARTS, ENDS, H, FINAL,
                     N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, NC: tl.constexpr,
                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
-    nvb: tl.constexpr = (VD + BV - 1) // BV
-    kb = tl.program_id(0) // nvb
-    vb = tl.program_id(0) % nvb
-    r = (tl.program_id(1) // N).to(tl.int64)
-    n = tl.program_id(1) % N
-    rk = kb * BK + tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
-    mk = rk < KD
-    mv = rv < VD
-    tile = rk[:, None] * VD + rv[None, :]
-    m2 = mk[:, None] & mv[None, :]
-    rc = tl.arange(0, C)
+    r, n, rk, rv, tile, m2 = state_tile(N, KD, VD, BK, BV)
+    t = tl.arange(0, C)
     state = tl.zeros([BK, BV], dtype=tl.float32)
     for c in range(NC):
+        # Branch-free resets (masked loads / stores) keep the loop pipelinable.
         end = tl.load(ENDS + r * (NC + 1) + c)
-        if end >= 0:
-            tl.store(FINAL + (end * N + n) * KD * VD + tile, state, mask=m2)
+        tl.store(FINAL + (tl.maximum(end, 0) * N + n) * KD * VD + tile, state, mask=m2 & (end >= 0))
         start = tl.load(STARTS + r * NC + c)
-        if start >= 0:
-            state = tl.load(INIT + (start * N + n) * KD * VD + tile, mask=m2, other=0.0)
-        tl.store(H + ((r * N + n) * NC + c) * KD * VD + tile, state, mask=m2)
-        rows = (r * TP + c * C + rc) * N + n
-        k = tl.load(K_ + rows[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
-        b = tl.load(B_ + rows[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
-        last = tl.load(B_ + ((r * TP + c * C + C - 1) * N + n) * KD + rk, mask=mk, other=0.0)
-        v = tl.load(V_ + rows[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
-        ke = (k.to(tl.float32) * tl.exp(last[None, :] - b)).to(v.dtype)
+        init = tl.load(INIT + (tl.maximum(start, 0) * N + n) * KD * VD + tile, mask=m2 & (start >= 0), other=0.0)
+        state = tl.where(start >= 0, init, state)
+        tl.store(H + ((r * N + n) * NC + c) * KD * VD + tile, state.to(H.dtype.element_ty), mask=m2)
+        base = (r * TP + c * C) * N + n
+        rows = base + t * N
+        k = load_rows(K_, rows, rk, KD)
+        b = load_rows(B_, rows, rk, KD)
+        last = tl.load(B_ + (base + (C - 1) * N) * KD + rk, mask=rk < KD, other=0.0)
+        v = tl.load(V_ + rows[:, None] * VD + rv[None, :], mask=(rv < VD)[None, :], other=0.0)
+        ke = (k * tl.exp(last[None, :] - b)).to(v.dtype)
         state = state * tl.exp(last)[:, None] + dot(tl.trans(ke), v, PRECISION)
     end = tl.load(ENDS + r * (NC + 1) + NC)
-    if end >= 0:
-        tl.store(FINAL + (end * N + n) * KD * VD + tile, state, mask=m2)
+    tl.store(FINAL + (tl.maximum(end, 0) * N + n) * KD * VD + tile, state, mask=m2 & (end >= 0))
 
 
 @triton.jit
-def _output_forward(Q_, K_, V_, B_, H, O,
+def _output_forward(Q_, K_, V_, B_, H, O, A_,
                     N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, NC: tl.constexpr,
-                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKD: tl.constexpr, SCALE: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    i = tl.program_id(0)
-    r = (tl.program_id(1) // N).to(tl.int64)
-    n = tl.program_id(1) % N
-    c = i * 16 // C
-    j0 = c * (C // 16)
-    rk = tl.arange(0, BK)
-    rv = tl.program_id(2) * BV + tl.arange(0, BV)
-    mk = rk < KD
+                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
+                    PRECISION: tl.constexpr, STORE_A: tl.constexpr):
+    c = tl.program_id(1)
+    r = (tl.program_id(2) // N).to(tl.int64)
+    n = tl.program_id(2) % N
+    t = tl.arange(0, C)
+    blk = t // 16
+    base = (r * TP + c * C) * N + n
+    rows = base + t * N
+    rv = tl.program_id(0) * BV + tl.arange(0, BV)
     mv = rv < VD
-    rows = (r * TP + i * 16 + tl.arange(0, 16)) * N + n
-    q = tl.load(Q_ + rows[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
-    b = tl.load(B_ + rows[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
-    ref = tl.load(B_ + ((r * TP + i * 16) * N + n) * KD + rk, mask=mk, other=0.0)
-    dt = q.dtype
-    h = tl.load(H + ((r * N + n) * NC + c) * KD * VD + rk[:, None] * VD + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    acc = dot((q.to(tl.float32) * tl.exp(b)).to(dt), h.to(dt), PRECISION)
-    qe = (q.to(tl.float32) * tl.exp(b - ref[None, :])).to(dt)
-    for j in range(j0, i):
-        rows_j = (r * TP + j * 16 + tl.arange(0, 16)) * N + n
-        k = tl.load(K_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
-        bj = tl.load(B_ + rows_j[:, None] * KD + rk[None, :], mask=mk[None, :], other=0.0)
-        ke = (k.to(tl.float32) * tl.exp(ref[None, :] - bj)).to(dt)
-        scores = dot(qe, tl.trans(ke), PRECISION)
-        v = tl.load(V_ + rows_j[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
-        acc += dot(scores.to(dt), v, PRECISION)
-    scores = diagonal_scores(Q_, K_, B_, rows, KD, BK, BKD)
     v = tl.load(V_ + rows[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
+    dt = v.dtype
+    state = ((r * N + n) * NC + c) * KD * VD
+    acc = tl.zeros([C, BV], dtype=tl.float32)
+    scores = tl.zeros([C, C], dtype=tl.float32)
+    for k0 in range(0, KD, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < KD
+        q = load_rows(Q_, rows, rk, KD)
+        k = load_rows(K_, rows, rk, KD)
+        b = load_rows(B_, rows, rk, KD)
+        h = tl.load(H + state + rk[:, None] * VD + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        acc += dot((q * tl.exp(b)).to(dt), h.to(dt), PRECISION)
+        for i in tl.static_range(1, C // 16):
+            ref = tl.load(B_ + (base + i * 16 * N) * KD + rk, mask=mk, other=0.0)  # b at block i's first row
+            qi = q * tl.exp(tl.where((blk == i)[:, None], b - ref[None, :], float("-inf")))
+            ki = k * tl.exp(tl.where((blk < i)[:, None], ref[None, :] - b, float("-inf")))
+            scores += dot(qi.to(dt), tl.trans(ki.to(dt)), PRECISION)
+        # Diagonal blocks: row t meets row u = 16 blk(t) + s of its own block, u <= t.
+        for s in range(16):
+            u = blk * 16 + s
+            gathered = base + u * N
+            ku = load_rows(K_, gathered, rk, KD)
+            bu = load_rows(B_, gathered, rk, KD)
+            before = u <= t
+            col = tl.sum(q * ku * tl.exp(tl.where(before[:, None], b - bu, float("-inf"))), axis=1)
+            scores += tl.where(t[None, :] == u[:, None], col[:, None], 0.0)
+    if STORE_A:
+        if tl.program_id(0) == 0:
+            tl.store(A_ + rows[:, None] * C + t[None, :], scores.to(A_.dtype.element_ty))
     acc += dot(scores.to(dt), v, PRECISION)
     tl.store(O + rows[:, None] * VD + rv[None, :], (SCALE * acc).to(O.dtype.element_ty), mask=mv[None, :])
 
@@ -117,20 +121,20 @@ def _output_forward(Q_, K_, V_, B_, H, O,
 # ----------------------------------------------------------------------------- config
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GLATritonConfig(KernelConfig):
-    """block_state: the K and V block of the state kernels (one program per [block, block]
-    piece of a head's state); block_v: the V block of the output and dv kernels; block_k: the K
-    block of the dq/dk kernel; num_warps: warps per program."""
+    """block_state: the K and V block of the two state kernels (one program per [block, block]
+    piece of a head's state), run with state_warps warps; block_k: the K block (a loop in the
+    output and dv kernels, a grid axis of dq/dk); block_v: the V block (a grid axis of the
+    output and dv kernels, a loop in dq/dk); num_warps: warps of the chunk kernels; num_stages:
+    software pipelining depth of every kernel's loop."""
 
     block_state: int = 64
-    block_v: int = 64
-    block_k: int = 32
-    num_warps: int = 4
+    block_k: int = 64
+    block_v: int = 128
+    num_warps: int = 8
+    state_warps: int = 4
+    num_stages: int = 2
 
     def validate(self) -> None:
         super().validate()
@@ -138,42 +142,62 @@ class GLATritonConfig(KernelConfig):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"GLATritonConfig.{name}: expected a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"GLATritonConfig.num_warps: expected 1, 2, 4 or 8, got {self.num_warps}")
+        for name in ("num_warps", "state_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"GLATritonConfig.{name}: expected 1, 2, 4, 8 or 16, got {getattr(self, name)}")
+        if not 1 <= self.num_stages <= 5:
+            raise ValueError(f"GLATritonConfig.num_stages: expected 1 to 5, got {self.num_stages}")
 
 
-def heuristic_config(q, k, v, *args, **kwargs) -> GLATritonConfig:
+def heuristic_config(q, k, v, *args, spec: GLASpec | None = None, **kwargs) -> GLATritonConfig:
+    """H100, K = V = 128, chunk 64: 64x64 state pieces (4 programs per head keep the SMs busy
+    during the sequential walk), a whole 128-wide V block (A built once per chunk), K in 64-wide
+    steps, 8 warps for the [64, 128] f32 accumulators."""
     del k, args, kwargs
-    kd, vd = _pow2_at_least(max(q.shape[3], 16)), _pow2_at_least(max(v.shape[3], 16))
-    return GLATritonConfig(block_state=min(64, kd, vd), block_v=min(64, vd), block_k=min(32, kd))
+    kd, vd = pow2_at_least(max(q.shape[3], 16)), pow2_at_least(max(v.shape[3], 16))
+    chunk = spec.chunk_size if spec is not None else 64
+    block_v = min(128, vd)
+    return GLATritonConfig(block_state=min(64, max(kd, vd)), block_k=min(64, kd), block_v=block_v,
+                           num_warps=8 if chunk * block_v >= 64 * 128 else 4)
 
 
 def candidate_configs(q, k, v, *args, **kwargs) -> list[GLATritonConfig]:
     base = heuristic_config(q, k, v, *args, **kwargs)
-    return [base, base.replace(num_warps=8), base.replace(block_state=max(16, base.block_state // 2)),
-            base.replace(block_v=max(16, base.block_v // 2), block_k=min(64, base.block_k * 2))]
+    kd, vd = pow2_at_least(max(q.shape[3], 16)), pow2_at_least(max(v.shape[3], 16))
+    changes = [{}, {"num_warps": 4}, {"num_stages": 1}, {"num_stages": 3}, {"block_k": min(kd, 128)},
+               {"block_k": max(16, base.block_k // 2)}, {"block_v": max(16, base.block_v // 2)},
+               {"block_state": min(128, max(kd, vd)), "state_warps": 8}, {"block_state": 32}, {"state_warps": 8}]
+    configs: list[GLATritonConfig] = []
+    for change in changes:
+        config = base.replace(**change)
+        if config not in configs:
+            configs.append(config)
+    return configs
 
 
 # ----------------------------------------------------------------------------- launch
 
 
-def _forward(q, k, v, b, init, starts, ends, *, scale: float, chunk: int, config: GLATritonConfig):
+def _forward(q, k, v, b, init, starts, ends, *, scale: float, chunk: int, config: GLATritonConfig, store_a: bool):
+    """(o, h [R, N, NC, K, V] in q's dtype, final states f32, A [R, Tp, N, C] or a placeholder)."""
     r, tp, n, kd = q.shape
     vd, nc, seqs = v.shape[3], tp // chunk, init.shape[0]
-    bs = min(config.block_state, _pow2_at_least(max(kd, 16)), _pow2_at_least(max(vd, 16)))
     dims = dict(N=n, TP=tp, KD=kd, VD=vd, NC=nc, C=chunk, PRECISION=backward.dot_mode(q.dtype))
+    bsk, bsv = (min(config.block_state, pow2_at_least(max(d, 16))) for d in (kd, vd))
     h, final = triton_call(
         k, v, b, init, starts, ends, kernel=_states_forward,
-        out_shape=(jax.ShapeDtypeStruct((r, n, nc, kd, vd), jnp.float32), jax.ShapeDtypeStruct((seqs, n, kd, vd), jnp.float32)),
-        grid=(triton.cdiv(kd, bs) * triton.cdiv(vd, bs), r * n), num_warps=config.num_warps, num_stages=2,
-        BK=bs, BV=bs, **dims)
-    bk = _pow2_at_least(max(kd, 16))
-    bv = min(config.block_v, _pow2_at_least(max(vd, 16)))
-    o = triton_call(
-        q, k, v, b, h, kernel=_output_forward, out_shape=jax.ShapeDtypeStruct(v.shape, q.dtype),
-        grid=(tp // SUB_CHUNK, r * n, triton.cdiv(vd, bv)), num_warps=config.num_warps, num_stages=2,
-        BK=bk, BV=bv, BKD=min(bk, 32), SCALE=scale, **dims)
-    return o, h, final
+        out_shape=(jax.ShapeDtypeStruct((r, n, nc, kd, vd), q.dtype), jax.ShapeDtypeStruct((seqs, n, kd, vd), jnp.float32)),
+        grid=(triton.cdiv(kd, bsk) * triton.cdiv(vd, bsv), r * n), num_warps=config.state_warps,
+        num_stages=config.num_stages, BK=bsk, BV=bsv, **dims)
+    bk = min(config.block_k, pow2_at_least(max(kd, 16)))
+    bv = min(config.block_v, pow2_at_least(max(vd, 16)))
+    a_shape = (r, tp, n, chunk) if store_a else (1,)
+    o, a = triton_call(
+        q, k, v, b, h, kernel=_output_forward,
+        out_shape=(jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(a_shape, q.dtype)),
+        grid=(triton.cdiv(vd, bv), nc, r * n), num_warps=config.num_warps, num_stages=config.num_stages,
+        BK=bk, BV=bv, SCALE=scale, STORE_A=store_a, **dims)
+    return o, h, final, a
 
 
 @functools.cache
@@ -182,18 +206,19 @@ def _differentiable(scale: float, chunk: int, config: GLATritonConfig):
 
     @jax.custom_vjp
     def run(q, k, v, g, init, starts, ends):
-        o, _, final = _forward(q, k, v, chunk_cumsum(g, chunk), init, starts, ends, scale=scale, chunk=chunk, config=config)
+        o, _, final, _ = _forward(q, k, v, chunk_cumsum(g, chunk), init, starts, ends, scale=scale, chunk=chunk,
+                                  config=config, store_a=False)
         return o, final
 
     def run_fwd(q, k, v, g, init, starts, ends):
         b = chunk_cumsum(g, chunk)
-        o, h, final = _forward(q, k, v, b, init, starts, ends, scale=scale, chunk=chunk, config=config)
-        return (o, final), (q, k, v, g, b, init, starts, ends, h, final)
+        o, h, final, a = _forward(q, k, v, b, init, starts, ends, scale=scale, chunk=chunk, config=config, store_a=True)
+        return (o, final), (q, k, v, g, b, init, starts, ends, h, a, final)
 
     def run_bwd(residuals, cotangents):
-        q, k, v, g, b, init, starts, ends, h, final = residuals
+        q, k, v, g, b, init, starts, ends, h, a, final = residuals
         do, dfinal = cotangents
-        dq, dk, dv, dinit = backward.gradients(q, k, v, b, starts, ends, h, do.astype(q.dtype), dfinal,
+        dq, dk, dv, dinit = backward.gradients(q, k, v, b, starts, ends, h, a, do.astype(q.dtype), dfinal,
                                                seqs=init.shape[0], scale=scale, chunk=chunk, config=config)
         dg = gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype), dinit.astype(init.dtype),
