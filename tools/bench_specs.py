@@ -435,7 +435,12 @@ def _ragged_dot_spec() -> Spec:
         Shape("G128 M16384 K4096 N4096 skewed", (16384, 4096, 4096, 128), "bfloat16", options=(("groups", "skewed"),)),
         Shape("deepseek-v3 routed T8192 top8 G256 K7168 N2048", (65536, 7168, 2048, 256), "bfloat16",
               options=(("groups", "balanced"),)),
+        Shape("deepseek-v3 routed T4096 top8 G256 K7168 N2048", (32768, 7168, 2048, 256), "bfloat16",
+              options=(("groups", "balanced"),)),
         Shape("moe_mlp mixtral-8x7b T8192 top2", (8192, 4096, 14336, 8, 2), "bfloat16", options=(("moe", True),)),
+        # The routed experts of one DeepSeek-V3 layer (no shared expert): weights 22.5 GB, + their gradients.
+        Shape("moe_mlp deepseek-v3 T4096 top8 E256 D7168 F2048", (4096, 7168, 2048, 256, 8), "bfloat16",
+              options=(("moe", True), ("top_k", 8))),
         Shape("small f32 G8", (2048, 256, 512, 8), "float32", small=True, options=(("groups", "skewed"),)),
     )
 
@@ -458,6 +463,7 @@ def _ragged_dot_spec() -> Spec:
         if options.pop("moe", False):
             return _moe_step(backend, mode, options)
         options.pop("groups", None)
+        options.pop("top_k", None)
         if backend == "xla":
             raise UnsupportedError("the reference runs G dense products: not a benchmark backend")
         return _ragged_step(functools.partial(ops.ragged_dot, backend=backend, **options), mode)
@@ -475,7 +481,7 @@ def _ragged_dot_spec() -> Spec:
     def _moe_step(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         if backend == "xla":
             raise UnsupportedError("the reference runs E dense products: not a benchmark backend")
-        fn = functools.partial(ops.moe_mlp, top_k=2, backend=backend)
+        fn = functools.partial(ops.moe_mlp, top_k=options.get("top_k", 2), backend=backend)
         if mode == "fwd":
             return jax.jit(lambda x, logits, wg, wu, wd, ct: fn(x, logits, wg, wu, wd))
 
