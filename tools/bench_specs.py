@@ -694,8 +694,9 @@ SPECS["mla_decode"] = _mla_decode_spec()
 
 def _gated_linear_attention_spec() -> Spec:
     # dims: (B, T, N, K, V); chunk 64. The anchors: the XLA chunked form (the target is a
-    # ratio to it) and ops.attention causal on q, k, v of the same shape (the crossover length).
-    shapes = tuple(Shape(f"GLA B4 T{t} N16 K128 V128", (4, t, 16, 128, 128), "bfloat16") for t in (2048, 4096, 8192, 16384)) + (
+    # ratio to it, at T8192) and ops.attention causal on q, k, v of the same shape (the crossover
+    # series over T).
+    shapes = tuple(Shape(f"GLA B4 T{t} N16 K128 V128", (4, t, 16, 128, 128), "bfloat16") for t in (1024, 2048, 4096, 8192, 16384)) + (
         Shape("small f32", (1, 256, 2, 64, 64), "float32", small=True),)
 
     def make_inputs(shape: Shape, key: jax.Array) -> tuple[Any, ...]:
