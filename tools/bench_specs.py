@@ -426,6 +426,7 @@ SPECS["add_rms_norm"] = _add_rms_norm_spec()
 
 
 def _ragged_dot_spec() -> Spec:
+    from forgeax.kernels.common.ragged_dot import RaggedDotSpec  # noqa: PLC0415 - the kernels' spec, for configs
     # dims: (M rows, K, N, G groups). Options: "groups" (how rows fall into groups: "balanced"
     # uniform random routing, "skewed" Zipf-like expert popularity), "moe" (dims are then
     # (T tokens, D, F, E, top_k): a whole moe_mlp layer, the three products on this backend).
@@ -466,7 +467,13 @@ def _ragged_dot_spec() -> Spec:
         options.pop("top_k", None)
         if backend == "xla":
             raise UnsupportedError("the reference runs G dense products: not a benchmark backend")
-        return _ragged_step(functools.partial(ops.ragged_dot, backend=backend, **options), mode)
+
+        def call(lhs, rhs, sizes):  # options left: config fields ('pallas_gpu:block_m=64')
+            spec = RaggedDotSpec(out_dtype=jnp.dtype(lhs.dtype).name)
+            return ops.ragged_dot(lhs, rhs, sizes, backend=backend,
+                                  **_with_config("ragged_dot", backend, options, lhs, rhs, sizes, spec=spec))
+
+        return _ragged_step(call, mode)
 
     def _ragged_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
         if mode == "fwd":
