@@ -10,6 +10,8 @@ block it loads kv_latent [BLOCK_N, L] and k_rope [BLOCK_N, R] once (paged: each 
 its page id) and uses the latent tile twice:
     z2 = log2(e) * scale * (q_latent @ kv^T + q_rope @ k_rope^T)      [BLOCK_H, BLOCK_N]
     online softmax in log2 units; acc += p @ kv                        [BLOCK_H, L] f32
+(the q.k products of the latent and rope parts one accumulation chain; whole blocks unmasked,
+only a run's partial last block masked).
 Each program stores its normalised partial out and lse (natural log; -inf for an empty run). With
 SPLITS > 1 the partials are f32 [B, N, SPLITS, L] merged by lse in XLA:
     lse = logsumexp_j lse_j,  out = sum_j exp(lse_j - lse) out_j      (0 / -inf if every run is empty)
@@ -39,6 +41,49 @@ from forgeax.kernels.triton.launch import triton_call
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MAX_LATENT = 1024  # the [BLOCK_H, L] f32 accumulator lives in registers
 _MAX_ROPE = 256
+_SHARED_BYTES = 232448  # an H100/H200 block's shared memory limit (sm_90)
+
+
+@triton.jit
+def _mla_step(ql, qr, acc, m_i, l_i, start, hi, b, KV, KR, PT, L: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+              M: tl.constexpr, PAGED: tl.constexpr, SCALE2: tl.constexpr, BLOCK_N: tl.constexpr, LP: tl.constexpr,
+              RP: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr):
+    """Keys [start, start + BLOCK_N): MASKED=False when all of them are < hi. The latent tile is
+    loaded once and serves as K (with the rope keys) and as V."""
+    s = start + tl.arange(0, BLOCK_N)
+    lat = tl.arange(0, LP)
+    rop = tl.arange(0, RP)
+    s_ok = s < hi
+    if PAGED:
+        if MASKED:
+            page = tl.load(PT + b * M + s // S, mask=s_ok, other=0)
+        else:
+            page = tl.load(PT + b * M + s // S)
+        rows = page.to(tl.int64) * S + s % S
+    else:
+        rows = b.to(tl.int64) * S + s
+    kv_mask = (s_ok[:, None] | (not MASKED)) & (lat < L)[None, :]
+    kr_mask = (s_ok[:, None] | (not MASKED)) & (rop < R)[None, :]
+    if MASKED or L != LP:
+        kv = tl.load(KV + rows[:, None] * L + lat[None, :], mask=kv_mask, other=0.0)
+    else:
+        kv = tl.load(KV + rows[:, None] * L + lat[None, :])
+    if MASKED or R != RP:
+        kr = tl.load(KR + rows[:, None] * R + rop[None, :], mask=kr_mask, other=0.0)
+    else:
+        kr = tl.load(KR + rows[:, None] * R + rop[None, :])
+    if DOT == 0:  # one accumulation chain for q.k over the latent and rope parts
+        z = tl.dot(qr, tl.trans(kr), tl.dot(ql, tl.trans(kv))) * SCALE2
+    else:
+        z = (dot(ql, tl.trans(kv), DOT) + dot(qr, tl.trans(kr), DOT)) * SCALE2
+    if MASKED:
+        z = tl.where(s_ok[None, :], z, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(z, 1))  # finite: key `start` is always in the run
+    p = tl.math.exp2(z - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(kv.dtype), kv, DOT)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -63,27 +108,16 @@ def _mla_decode_kernel(QL, QR, KV, KR, LEN, PT, O, LSE,
     run = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * run
     hi = tl.minimum(lo + run, length)
+    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # whole blocks first, unmasked
     acc = tl.zeros([BLOCK_H, LP], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        s = start + tl.arange(0, BLOCK_N)
-        s_ok = s < hi
-        if PAGED:
-            page = tl.load(PT + b * M + s // S, mask=s_ok, other=0)
-            rows = page.to(tl.int64) * S + s % S
-        else:
-            rows = b.to(tl.int64) * S + s
-        kv = tl.load(KV + rows[:, None] * L + lat[None, :], mask=s_ok[:, None] & l_ok[None, :], other=0.0)
-        kr = tl.load(KR + rows[:, None] * R + rop[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
-        z = (dot(ql, tl.trans(kv), DOT) + dot(qr, tl.trans(kr), DOT)) * SCALE2
-        z = tl.where(s_ok[None, :], z, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(z, 1))  # finite: key `start` is always in the run
-        p = tl.math.exp2(z - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(kv.dtype), kv, DOT)
-        m_i = m_new
+    for start in range(lo, full, BLOCK_N):
+        acc, m_i, l_i = _mla_step(ql, qr, acc, m_i, l_i, start, hi, b, KV, KR, PT, L, R, S, M, PAGED, SCALE2,
+                                  BLOCK_N, LP, RP, DOT, False)
+    if full < hi:  # the partial last block
+        acc, m_i, l_i = _mla_step(ql, qr, acc, m_i, l_i, full, hi, b, KV, KR, PT, L, R, S, M, PAGED, SCALE2,
+                                  BLOCK_N, LP, RP, DOT, True)
     nonempty = l_i > 0.0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     o_rows = q_rows * SPLITS + split
@@ -126,13 +160,26 @@ def _keys(kv_latent, page_table) -> int:
     return kv_latent.shape[1] * (page_table.shape[1] if page_table is not None else 1)
 
 
+def _width(q_latent, q_rope) -> int:
+    """Bytes of one padded (latent + rope) row."""
+    return (_pow2_at_least(q_latent.shape[2]) + _pow2_at_least(q_rope.shape[2])) * jnp.dtype(q_latent.dtype).itemsize
+
+
+def _fits(block_h: int, block_n: int, stages: int, width: int) -> bool:
+    """The q tile (Triton keeps a dot's loop-invariant operand in shared memory) plus one cache
+    tile per pipeline stage within Hopper's 227 KB of shared memory (232448 B), less 8 KB slack."""
+    return (block_h + max(stages, 1) * block_n) * width <= _SHARED_BYTES - 8 * 1024
+
+
 def heuristic_config(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *, spec) -> MlaDecodeTritonConfig:
-    """64-head tiles where N allows (M = 64 is what Hopper's wgmma takes; at L = 512, 32-key
-    tiles, 8 warps and 2 stages ptxas reports 236 registers and no spills for sm_90a), else N
-    rounded up to 16..32; 32-key tiles at L >= 256 (a 32 KB bf16 latent tile). Splits so that the
-    grid covers the SMs about once (1 at B 64, N 128: 128 programs; the f32 partials of a merge,
-    written and read back, would add 11% to the cache bytes there), each split at least 256 keys."""
-    del q_rope, k_rope, lengths, spec
+    """64-head tiles where N allows (M = 64 is what Hopper's wgmma takes), else N rounded up to
+    16..32; 8 warps. Key tiles of 64 with 2 stages where the shared memory holds them (at L = 512,
+    R = 64 in bf16: the 72 KB q tile plus two 72 KB cache tiles, 216 KB; ptxas: 255 registers, no
+    spills for sm_90a), so the per-step softmax, rescale and barrier are paid once per 64 keys;
+    else 32 (144 KB, 242 registers). Splits so that the grid covers the SMs about once (1 at B 64,
+    N 128: 128 programs; the f32 partials of a merge, written and read back, would add 11% to
+    the cache bytes there), each split at least 256 keys."""
+    del k_rope, lengths, spec
     B, N, L = q_latent.shape
     block_h = 64 if N >= 64 else min(32, max(16, _pow2_at_least(N)))
     keys = _keys(kv_latent, page_table)
@@ -141,25 +188,26 @@ def heuristic_config(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *
     tiles = -(-N // block_h)
     programs = B * tiles
     splits = max(1, min((gpu_sm_count() + programs // 2) // programs, keys // 256, 64))
-    block_n = 32 if L >= 256 else 64
+    width = _width(q_latent, q_rope)
+    block_n = next((n for n in (64, 32, 16) if _fits(block_h, n, 2, width)), 16)
     return MlaDecodeTritonConfig(block_h=block_h, block_n=block_n, num_splits=splits,
                                  num_warps=8 if block_h >= 32 else 4, num_stages=2)
 
 
 def candidate_configs(*args, **kwargs) -> list[MlaDecodeTritonConfig]:
     """Head tiles 16..64, key tiles 16..64, 1..3 stages, the heuristic's splits halved and doubled;
-    without the pipelines whose cache tiles alone pass 160 KB of shared memory (227 KB on Hopper)
+    without the configs whose q tile and pipelined cache tiles pass the shared memory (`_fits`)
     or whose [block_h, L] f32 accumulator would take more than 128 registers a thread."""
     base = heuristic_config(*args, **kwargs)
     q_latent, q_rope = args[0], args[1]
-    width = (_pow2_at_least(q_latent.shape[2]) + _pow2_at_least(q_rope.shape[2])) * jnp.dtype(q_latent.dtype).itemsize
+    width = _width(q_latent, q_rope)
     out = [base]
     for block_h, warps in ((16, 4), (32, 4), (32, 8), (64, 8)):
         if block_h * _pow2_at_least(q_latent.shape[2]) > 128 * 32 * warps:
             continue
         for block_n in (16, 32, 64):
             for stages in (1, 2, 3):
-                if stages * block_n * width > 160 * 1024:
+                if not _fits(block_h, block_n, stages, width):
                     continue
                 for splits in sorted({base.num_splits, max(1, base.num_splits // 2), base.num_splits * 2}):
                     c = base.replace(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
