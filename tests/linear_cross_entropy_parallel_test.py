@@ -4,7 +4,7 @@ The weight [H, V] and bias [V] are split over the vocabulary (each device a
 contiguous V/8 slice); x and the targets (global ids) are replicated. Loss and
 gradients (x, W, b) must equal the single-device reference for every
 reduction, with label smoothing, z-loss, soft cap and ignored / out-of-range
-targets, for the xla and xla_chunked backends (Triton has no parallel path),
+targets, for the xla and xla_chunked backends (the kernel backends: vocab_parallel_kernels_parallel_test.py),
 with shard_map's vma checking on (x's gradient is psum-ed inside the op) and
 off (shard_map's transpose psums it).
 
@@ -140,9 +140,34 @@ def test_all_ignored_vocab_parallel_mean_is_zero_with_zero_gradients(backend):
     assert float(loss) == 0.0 and all(bool(jnp.all(g == 0)) for g in grads)
 
 
-def test_backend_selection_skips_triton_for_vocab_parallel():
+def test_backend_selection_keeps_the_kernels_for_vocab_parallel():
+    # The kernel backends run vocabulary-parallel (tests/vocab_parallel_kernels_parallel_test.py).
     mesh = _mesh((DEVICES,), ("v",))
     x, w, b, t = _inputs(4, 32, 1000, jnp.float32, seed=5)
     fn = jax.shard_map(lambda x, w, t: ops.linear_cross_entropy(x, w, t, axis_name="v"), mesh=mesh, in_specs=(P(), P(None, "v"), P()), out_specs=P())
-    expected = {"gpu": "xla_chunked", "tpu": "xla_chunked", "cpu": "xla"}[jax.default_backend() if jax.default_backend() in ("tpu", "cpu") else "gpu"]
+    expected = {"gpu": "triton", "tpu": "pallas_tpu", "cpu": "xla"}[jax.default_backend() if jax.default_backend() in ("tpu", "cpu") else "gpu"]
     assert ops.explain(fn, x, w, t).backends() == (expected,)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_chunked_data_parallel_in_shard_map_with_a_replicated_weight(reduction):
+    # Tokens split over "data", W replicated: dW is typed invariant like W (the per-device sums,
+    # scaled by each device's cotangent, are psum-ed in the backward), and equals the reference.
+    mesh = _mesh((DEVICES,), ("data",))
+    x, w, b, t = _inputs(16, 32, 100, jnp.float32, seed=6)
+    kwargs = dict(reduction=reduction, label_smoothing=0.1)
+
+    def body(x, w, b, t):
+        loss = ops.linear_cross_entropy(x, w, t, bias=b, backend="xla_chunked", chunk_size=4, **kwargs)
+        return jax.lax.psum(jnp.sum(loss * (1.0 + jnp.arange(loss.size).reshape(loss.shape))), "data")
+
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P(), P("data")), out_specs=P())
+    got = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(x, w, b, t)
+
+    def ref(x, w, b):
+        parts = [reference.linear_cross_entropy(x[i:i + 2], w, t[i:i + 2], b, spec=LossSpec(**kwargs)) for i in range(0, 16, 2)]
+        return sum(jnp.sum(p * (1.0 + jnp.arange(p.size).reshape(p.shape))) for p in parts)
+
+    want = jax.value_and_grad(ref, argnums=(0, 1, 2))(x, w, b)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert conformance.relative_error(g, r) < 1e-5

@@ -198,7 +198,9 @@ def _grad_loop(x2, w, b, t, opts, lse=None, scale=None):
         return (dw, db), (loss, dx.astype(x2.dtype))
 
     (dw, db), (loss, dx) = lax.scan(body, init, (xs, ts) + extra)
-    return (None if loss is None else _rows(loss, n)), _match(_rows(dx, n), x2), _match(dw, w), _match(db, b)
+    # dW and db stay per-device sums here: inside shard_map the caller scales them by its (maybe
+    # per-device) cotangent first, then `_match`es them to the weight's type.
+    return (None if loss is None else _rows(loss, n)), _match(_rows(dx, n), x2), dw, db
 
 
 def _split(fn, arg_kinds, out_kinds, opts):
@@ -223,8 +225,10 @@ def _grad_rows(x2, w, b, t, opts, lse=None, scale=None):
 
 
 def _scaled(g, s, like):
-    """s * g in f32, in `like`'s dtype (the cotangent of `like`); None stays None."""
-    return None if g is None else (g.astype(jnp.float32) * s).astype(like.dtype)
+    """s * g in f32, summed over the shard_map axes it varies along and `like` does not (a
+    replicated weight's gradient under data parallelism inside shard_map: typed like `like`),
+    in `like`'s dtype (the cotangent of `like`); None stays None."""
+    return None if g is None else _match(g.astype(jnp.float32) * s, like).astype(like.dtype)
 
 
 def _cotangent(ct, opts):
@@ -330,10 +334,8 @@ _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def supports_single_device(x, weight, targets, bias=None, *, spec: LossSpec = LossSpec(), **options) -> str | None:
-    """`supports` of the kernel backends built on this loop (no vocabulary-parallel path)."""
-    del targets, bias, options
-    if spec.axis_name is not None:
-        return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
+    """`supports` of the kernel backends built on this loop (vocabulary-parallel included)."""
+    del targets, bias, options, spec
     for name, a in (("x", x), ("weight", weight)):
         if jnp.dtype(a.dtype) not in _KERNEL_DTYPES:
             return f"{name} dtype {jnp.dtype(a.dtype).name} is not one of float32/bfloat16/float16"

@@ -165,6 +165,13 @@ def vocab_parallel_loss(stats, logits: jax.Array, t: jax.Array, spec: LossSpec, 
     return combine_partials(lse_local, z_target, z_sum, t, spec, vocab_range(spec, local)[1])
 
 
+def vocab_parallel_grad(grad, logits: jax.Array, t: jax.Array, lse: jax.Array, scale: jax.Array, spec: LossSpec):
+    """scale[:, None] * d loss_row / d logits of [N, V_local] logits, global targets t (-1 = ignored)
+    and the global lse: `grad(logits, local_targets, lse, scale)` is the backend's kernel."""
+    dx = grad(logits, local_targets(t, spec, logits.shape[-1]), lse, scale)
+    return ManualAxes.of(logits, t, lse).apply(dx)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 4))
 def vocab_parallel_per_token(stats, grad, logits, t, spec):
     """Per-token loss [N] of [..., V_local] logits for the cross_entropy kernel backends with

@@ -13,17 +13,22 @@ dW += x_c^T @ g). For reduction="none" the backward reruns the loop with
 Config: the row kernel's launch (`LinearCrossEntropyTritonConfig`). The default chunk
 (2048 tokens of bf16 logits at V=128256) and the in-place gradient are measured against
 XLA with materialised logits in benchmarks/results/linear_cross_entropy_H200_2026-11-22_bench.json.
-No vocabulary-parallel path (axis_name): that runs in "xla_chunked".
+Vocabulary-parallel (axis_name, W sharded over V inside shard_map): per chunk the row kernels'
+`_stats_kernel` (the slice's partials, combined by kernels/common/losses.py: one pmax + one
+psum per chunk) then `_grad_kernel` with the global lse (no fused loss-and-gradient kernel).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import jax.numpy as jnp
 
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.kernels.common import linear_cross_entropy as chunked
-from forgeax.kernels.common.losses import LossSpec
+from forgeax.kernels.common.losses import LossSpec, vocab_parallel_grad, vocab_parallel_loss, vocab_range
 from forgeax.kernels.triton import cross_entropy as triton_ce
 
 
@@ -51,14 +56,23 @@ def candidate_configs(x, weight, targets, bias=None, *, spec: LossSpec, chunk_si
 
 
 def _loss(logits, t, spec, config):
+    if spec.axis_name is not None:  # this device's vocabulary slice: partials + collectives
+        return vocab_parallel_loss(functools.partial(triton_ce.stats_rows, spec=spec, config=config), logits, t, spec)
     return triton_ce.loss_rows(logits, t, spec, config)
 
 
 def _loss_and_grad(logits, t, spec, config, dtype):
+    if spec.axis_name is not None:  # the gradient needs the global lse: two kernels
+        loss, lse = _loss(logits, t, spec, config)
+        return loss, lse, _grad(logits, t, lse, jnp.ones_like(lse), spec, config, dtype)
     return triton_ce.loss_and_grad_rows(logits, t, spec, config, grad_dtype=dtype, in_place=True)
 
 
 def _grad(logits, t, lse, scale, spec, config, dtype):
+    if spec.axis_name is not None:
+        vocab = vocab_range(spec, logits.shape[-1])[1]
+        grad = functools.partial(triton_ce.grad_rows, spec=spec, config=config, grad_dtype=dtype, in_place=True, vocab=vocab)
+        return vocab_parallel_grad(grad, logits, t, lse, scale, spec)
     return triton_ce.grad_rows(logits, t, lse, scale, spec, config, grad_dtype=dtype, in_place=True)
 
 

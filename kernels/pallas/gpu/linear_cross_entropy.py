@@ -24,7 +24,8 @@ so loss and gradient agree (`f32_logits=False`, as in the Triton backend).
 
 Scope: x and W both bf16 or both f16, H a multiple of 64 (the wgmma K step); any V (W and b
 zero-padded to a multiple of BN only when needed, padded columns masked); any token count (rows
-padded with ignored targets); every option but axis_name. About 4 CTAs per SM (`_splits`); with
+padded with ignored targets); every option, axis_name included (the statistics of this device's
+slice of V are combined over the axis; the gradient pass takes the global lse). About 4 CTAs per SM (`_splits`); with
 160-220 KiB of SMEM one CTA runs per SM, so the exp/tanh epilogue does not overlap the tensor
 cores: that and the tiling (`LinearCrossEntropyPallasGpuConfig`) are what to tune. Proven in
 Mosaic GPU's CPU interpreter and by cross-lowering; the GPU conformance run checks the device.
@@ -41,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common import linear_cross_entropy as chunked
-from forgeax.kernels.common.losses import LossSpec, logits_grad
+from forgeax.kernels.common.batching import ManualAxes
+from forgeax.kernels.common.losses import LossSpec, combine_partials, local_targets, logits_grad, vocab_range
 from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
 from forgeax.core.config import KernelConfig
@@ -299,13 +301,17 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
 
 
 def _fused_logits(operands, t, spec: LossSpec, config: LinearCrossEntropyPallasGpuConfig, store):
-    """(loss [C], lse [C], logits [C, V] in the matmul dtype or None) of one chunk."""
+    """(loss [C], lse [C], logits [C, V] in the matmul dtype or None) of one chunk. Vocabulary-
+    parallel (spec.axis_name): the kernel's statistics cover this device's slice of V and
+    losses.combine_partials combines them over the axis (one pmax + one psum)."""
     x, w, b = operands
     c, v = x.shape[0], w.shape[1]
+    axes = ManualAxes.of(x, w, t)
+    t_here = local_targets(t, spec, v)  # t itself without axis_name
     cp, vp = -(-c // config.block_m) * config.block_m, -(-v // config.block_n) * config.block_n
     if cp != c:
         x = jnp.pad(x, ((0, cp - c), (0, 0)))
-    tp = jnp.pad(t, (0, cp - c), constant_values=-1) if cp != c else t
+    tp = jnp.pad(t_here, (0, cp - c), constant_values=-1) if cp != c else t_here
     if vp != v:  # only for vocabularies that are not a multiple of BN (a copy of W per chunk)
         w = jnp.pad(w, ((0, 0), (0, vp - v)))
     if b is not None:
@@ -314,18 +320,14 @@ def _fused_logits(operands, t, spec: LossSpec, config: LinearCrossEntropyPallasG
         x, w.astype(x.dtype), b, tp, vocab=v, cap=spec.soft_cap, smoothing=spec.label_smoothing, store=store,
         config=config,
     )
-    stats = stats[:, :, :c]
+    stats = axes.apply(stats[:, :, :c])  # a kernel output: typed varying again inside shard_map
     m_s, s_s, zt, zs = stats[:, 0], stats[:, 1], jnp.sum(stats[:, 2], 0), jnp.sum(stats[:, 3], 0)
     m = jnp.max(m_s, axis=0)
-    lse = m + jnp.log(jnp.sum(s_s * jnp.exp(m_s - m), axis=0))
-    loss = lse - (1.0 - spec.label_smoothing) * zt
-    if spec.label_smoothing:
-        loss = loss - spec.label_smoothing / v * zs
-    if spec.z_loss:
-        loss = loss + spec.z_loss * lse * lse
+    lse_local = m + jnp.log(jnp.sum(s_s * jnp.exp(m_s - m), axis=0))  # this slice's, over the S splits
+    loss, lse = combine_partials(lse_local, zt, zs, t, spec, vocab_range(spec, v)[1])
     if logits is not None and (cp, vp) != (c, v):
         logits = logits[:c, :v]
-    return jnp.where(t >= 0, loss, 0.0), lse, logits
+    return loss, lse, logits
 
 
 def _loss(operands, t, spec, config):
@@ -348,9 +350,7 @@ CHUNK_KERNELS = chunked.ChunkKernels(loss=_loss, loss_and_grad=_loss_and_grad, g
 
 
 def _supports(x, weight, targets, bias=None, *, spec: LossSpec = LossSpec(), **options) -> str | None:
-    del targets, bias, options
-    if spec.axis_name is not None:
-        return "vocabulary-parallel (axis_name) runs in the xla and xla_chunked backends only"
+    del targets, bias, options, spec
     for name, a in (("x", x), ("weight", weight)):
         if jnp.dtype(a.dtype) not in _DTYPES:
             return f"{name} dtype {jnp.dtype(a.dtype).name} is not bfloat16/float16 (the wgmma kernel's inputs)"

@@ -25,16 +25,20 @@ loss-and-gradient kernel (one read fewer), as there is in Triton.
 Config: the row kernels' tile (`CrossEntropyPallasTpuConfig`, as for cross_entropy).
 Default chunk: 1024 tokens at V=128256 (512 MiB of f32 logits + 256 MiB of
 bf16 gradient), from the shared default_chunk_size.
-No vocabulary-parallel path (axis_name): that runs in "xla_chunked".
+Vocabulary-parallel (axis_name, W sharded over V inside shard_map): `_fwd_kernel(partials=True)`
+per chunk, combined by kernels/common/losses.py (one pmax + one psum), then `_bwd_kernel` with
+the global lse.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
 from forgeax.core.registry import Implementation
 from forgeax.kernels.common import linear_cross_entropy as chunked
-from forgeax.kernels.common.losses import LossSpec
+from forgeax.kernels.common.losses import LossSpec, vocab_parallel_grad, vocab_parallel_loss, vocab_range
 from forgeax.kernels.pallas.tpu import cross_entropy as tpu_ce
 from forgeax.kernels.pallas.tpu.cross_entropy import CrossEntropyPallasTpuConfig
 
@@ -51,10 +55,16 @@ def candidate_configs(x, weight, targets, bias=None, *, spec: LossSpec, chunk_si
 
 
 def _loss(logits, t, spec, config):
+    if spec.axis_name is not None:  # this device's vocabulary slice: partials + collectives
+        return vocab_parallel_loss(functools.partial(tpu_ce.stats_rows, spec=spec, config=config), logits, t, spec)
     return tpu_ce.loss_rows(logits, t, spec, config)
 
 
 def _grad(logits, t, lse, scale, spec, config, dtype):
+    if spec.axis_name is not None:
+        vocab = vocab_range(spec, logits.shape[-1])[1]
+        grad = functools.partial(tpu_ce.grad_rows, spec=spec, config=config, grad_dtype=dtype, vocab=vocab)
+        return vocab_parallel_grad(grad, logits, t, lse, scale, spec)
     return tpu_ce.grad_rows(logits, t, lse, scale, spec, config, grad_dtype=dtype)
 
 

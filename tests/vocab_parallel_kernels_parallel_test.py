@@ -1,0 +1,278 @@
+"""Vocabulary-parallel kernel backends (axis_name) of cross_entropy and linear_cross_entropy.
+
+Inside shard_map each device holds a contiguous V/n slice of the logits (cross_entropy) or of
+the weight (linear_cross_entropy); the kernels compute per-row partials over the slice (lse,
+target logit, sum of logits), one pmax + one psum combine them (kernels/common/losses.py), and
+the backward kernels take the global lse. Loss and gradients must equal the XLA reference, and
+the compiled program may move only per-row statistics (all-reduces of [rows] values), never
+the logits.
+
+On CPU (JAX_PLATFORMS=cpu, 8 devices): the Triton kernels run in Triton's interpreter inside
+shard_map. The Mosaic TPU interpreter synchronises every launch across the mesh's devices and
+deadlocks against XLA's collectives there, so the Pallas TPU kernels are checked under
+`jax.vmap(axis_name=...)` (the same collectives, one device). On >= 2 GPUs: Triton and the
+Mosaic GPU linear_cross_entropy natively.
+
+Needs 8 devices on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts
+(set here when this file is the first to import jax), and TRITON_INTERPRET=1 before Triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import conformance
+from forgeax import ops
+from forgeax.core.runtime import interpret_mode
+from forgeax.kernels.common.losses import LossSpec
+from forgeax.kernels.xla import cross_entropy as ce_reference
+from forgeax.kernels.xla import linear_cross_entropy as lce_reference
+
+ON_GPU = jax.default_backend() == "gpu"
+if len(jax.devices()) < (2 if ON_GPU else 8):
+    pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) or 2 GPUs",
+                allow_module_level=True)
+
+IGNORE = -100
+VOCAB = 1000 if not ON_GPU else 4096
+OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=5.0)
+_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+def _kernels():
+    """Interpreters on CPU (decided at trace time), native kernels on GPUs."""
+    return interpret_mode(not ON_GPU)
+
+
+def _mesh(*shape_names):
+    names = tuple(n for n, _ in shape_names)
+    return jax.make_mesh(tuple(s for _, s in shape_names), names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def _v_ways():
+    return min(len(jax.devices()), 8)
+
+
+def _targets(rng, shape, vocab):
+    t = rng.integers(0, vocab, shape, dtype=np.int32)
+    flat = t.reshape(-1)
+    flat[::5] = IGNORE
+    flat[1] = vocab + 3  # out of range: ignored
+    flat[2] = vocab - 1  # on the last shard
+    flat[3] = 0
+    return jnp.asarray(t)
+
+
+def _ce_inputs(tokens, dtype, seed):
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray((3.0 * rng.standard_normal((tokens, VOCAB), np.float32))).astype(dtype)
+    return logits, _targets(rng, (tokens,), VOCAB)
+
+
+def _lce_inputs(tokens, hidden, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32)).astype(dtype)
+    w = jnp.asarray(3.0 / np.sqrt(hidden) * rng.standard_normal((hidden, VOCAB), np.float32)).astype(dtype)
+    return x, w, _targets(rng, (tokens,), VOCAB)
+
+
+def _collectives(fn, *args):
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    return [(kind, shape) for shape, kind in _COLLECTIVE.findall(hlo)]
+
+
+def _assert_only_row_statistics_move(fn, *args, rows: int):
+    """Every collective is an all-reduce of at most `rows` elements (per-row statistics, scalars)."""
+    found = _collectives(fn, *args)
+    assert found, "expected the pmax / psum of the row statistics"
+    sizes = [int(np.prod([int(d) for d in re.findall(r"\d+", dims)] or [1]))
+             for _, shape in found for dims in re.findall(r"\[([\d,]*)\]", shape)]
+    bad = [(k, s) for k, s in found if k != "all-reduce"]
+    assert not bad and max(sizes) <= rows, f"logits-sized or non-all-reduce collectives: {found}"
+
+
+# ----------------------------------------------------------------------------- cross_entropy, shard_map
+
+
+def _ce_sharded(backend, mesh, tokens_axis, **kwargs):
+    none = kwargs.get("reduction") == "none"
+    fn = functools.partial(ops.cross_entropy, axis_name="v", backend=backend, **kwargs)
+    body = fn if none or tokens_axis is None else (lambda x, t: jax.lax.psum(fn(x, t), tokens_axis))
+    batch = P(tokens_axis)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(tokens_axis, "v"), batch), out_specs=batch if none else P())
+
+
+@pytest.mark.parametrize("case", ["sum_data_x_vocab", "none_all_options", "mean_bf16"])
+def test_triton_cross_entropy_vocab_parallel(case):
+    reduction, dtype = {"sum_data_x_vocab": ("sum", jnp.float32), "none_all_options": ("none", jnp.float32),
+                        "mean_bf16": ("mean", jnp.bfloat16)}[case]
+    data = 2 if case == "sum_data_x_vocab" else 1
+    mesh = _mesh(("data", data), ("v", _v_ways() // data))
+    kwargs = dict(OPTIONS, reduction=reduction) if case != "sum_data_x_vocab" else dict(reduction="sum", label_smoothing=0.2)
+    logits, targets = _ce_inputs(6, dtype, seed=len(case))
+    with _kernels():
+        sharded = _ce_sharded("triton", mesh, "data" if data > 1 else None, **kwargs)
+        cot = jnp.asarray(np.random.default_rng(0).standard_normal((6,) if reduction == "none" else (), np.float32))
+        got, pull = jax.vjp(lambda x: sharded(x, targets), logits)
+        grad = pull(cot)[0]
+    ref = lambda x: ce_reference.cross_entropy(x, targets, spec=LossSpec(**kwargs))  # noqa: E731
+    want, pull = jax.vjp(ref, logits.astype(jnp.float32))
+    assert conformance.relative_error(got, want) < 1e-5
+    assert grad.dtype == logits.dtype
+    assert conformance.relative_error(grad, pull(cot)[0]) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+def test_triton_cross_entropy_moves_row_statistics_only():
+    mesh = _mesh(("v", _v_ways()))
+    logits, targets = _ce_inputs(6, jnp.float32, seed=7)
+    with _kernels():
+        sharded = _ce_sharded("triton", mesh, None, reduction="none", **OPTIONS)
+        fn = jax.grad(lambda x: jnp.sum(sharded(x, targets) * jnp.arange(6.0)))
+        _assert_only_row_statistics_move(fn, logits, rows=6)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="selection on GPUs (the CPU priority is XLA)")
+def test_selection_keeps_triton_for_vocab_parallel():
+    mesh = _mesh(("v", _v_ways()))
+    logits, targets = _ce_inputs(4, jnp.float32, seed=5)
+    fn = jax.shard_map(lambda x, t: ops.cross_entropy(x, t, axis_name="v"), mesh=mesh, in_specs=(P(None, "v"), P()), out_specs=P())
+    assert ops.explain(fn, logits, targets).backends() == ("triton",)
+
+
+# ----------------------------------------------------------------------------- linear_cross_entropy, shard_map
+
+
+def _lce_sharded(backend, mesh, tokens_axis=None, check_vma=True, **kwargs):
+    batch = P(tokens_axis)
+    none = kwargs.get("reduction") == "none"
+    fn = lambda x, w, t: ops.linear_cross_entropy(x, w, t, axis_name="v", backend=backend, **kwargs)  # noqa: E731
+    return jax.shard_map(fn, mesh=mesh, in_specs=(batch, P(None, "v"), batch), out_specs=batch if none else P(),
+                         check_vma=check_vma)
+
+
+def _check_lce(sharded, x, w, t, cot, tol, loss_tol, **kwargs):
+    with _kernels():
+        got, pull = jax.vjp(lambda x, w: sharded(x, w, t), x, w)
+        grads = pull(cot)
+    up = lambda a: a.astype(jnp.float32)  # noqa: E731
+    want, pull = jax.vjp(lambda x, w: lce_reference.linear_cross_entropy(x, w, t, spec=LossSpec(**kwargs)), up(x), up(w))
+    assert conformance.relative_error(got, want) < loss_tol, (got, want)
+    for name, g, r, a in zip("xw", grads, pull(cot), (x, w)):
+        assert g.dtype == a.dtype and g.shape == a.shape, name
+        assert conformance.relative_error(g, r) < tol, (name, conformance.relative_error(g, r))
+
+
+LCE_BACKENDS = ["triton"] + (["pallas_gpu"] if ON_GPU else [])
+
+
+def _lce_case(backend, tokens, dtype, seed):
+    if backend == "pallas_gpu":  # the wgmma kernel: bf16, H a multiple of 64
+        return _lce_inputs(tokens, 64, jnp.bfloat16, seed)
+    return _lce_inputs(tokens, 32, dtype, seed)
+
+
+@pytest.mark.parametrize("backend", LCE_BACKENDS)
+def test_linear_cross_entropy_vocab_parallel_mean(backend):
+    mesh = _mesh(("v", _v_ways()))
+    kwargs = dict(OPTIONS, reduction="mean")
+    x, w, t = _lce_case(backend, 13, jnp.float32, seed=1)
+    bf16 = x.dtype == jnp.bfloat16
+    _check_lce(_lce_sharded(backend, mesh, chunk_size=4, **kwargs), x, w, t, jnp.float32(0.7),
+               2e-2 if bf16 else 1e-5, 2e-3 if bf16 else 1e-5, **kwargs)
+
+
+@pytest.mark.parametrize("backend", LCE_BACKENDS)
+def test_linear_cross_entropy_vocab_parallel_with_data_parallel_tokens(backend):
+    mesh = _mesh(("data", 2), ("v", _v_ways() // 2))
+    kwargs = dict(reduction="none", label_smoothing=0.1, z_loss=1e-3)
+    x, w, t = _lce_case(backend, 6, jnp.float32, seed=2)
+    bf16 = x.dtype == jnp.bfloat16
+    _check_lce(_lce_sharded(backend, mesh, "data", chunk_size=2, **kwargs), x, w, t, jnp.arange(6.0),
+               2e-2 if bf16 else 1e-5, 2e-3 if bf16 else 1e-5, **kwargs)
+
+
+def test_triton_linear_cross_entropy_without_vma_checks():
+    mesh = _mesh(("v", _v_ways()))
+    kwargs = dict(reduction="sum", z_loss=1e-3)
+    x, w, t = _lce_inputs(11, 32, jnp.float32, seed=3)
+    _check_lce(_lce_sharded("triton", mesh, check_vma=False, chunk_size=4, **kwargs), x, w, t, jnp.float32(1.3),
+               1e-5, 1e-5, **kwargs)
+
+
+def test_triton_linear_cross_entropy_moves_no_logits():
+    # dx is psum-ed per chunk ([C, H]: x is replicated over the vocabulary axis); the row
+    # statistics are [C]; nothing of [C, V] or [H, V] moves.
+    mesh = _mesh(("v", _v_ways()))
+    x, w, t = _lce_inputs(8, 32, jnp.float32, seed=4)
+    with _kernels():
+        sharded = _lce_sharded("triton", mesh, chunk_size=4, reduction="mean", label_smoothing=0.1)
+        fn = jax.grad(lambda x, w: sharded(x, w, t), argnums=(0, 1))
+        _assert_only_row_statistics_move(fn, x, w, rows=4 * 32)
+
+
+# ----------------------------------------------------------------------------- Pallas TPU (vmap on CPU)
+
+
+def _vmapped(fn, n, in_axes):
+    """fn over n vocabulary shards with jax.vmap(axis_name="v"): the collectives of shard_map, one device."""
+    return jax.vmap(fn, in_axes=in_axes, out_axes=0, axis_name="v")
+
+
+@pytest.mark.skipif(ON_GPU or jax.default_backend() == "tpu", reason="the CPU stand-in for a TPU mesh")
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_pallas_tpu_cross_entropy_vocab_parallel_under_vmap(reduction):
+    n = 4
+    kwargs = dict(OPTIONS, reduction=reduction)
+    logits, targets = _ce_inputs(6, jnp.float32, seed=8)
+    fn = functools.partial(ops.cross_entropy, axis_name="v", backend="pallas_tpu", **kwargs)
+
+    def sharded(x):
+        shards = x.reshape(x.shape[0], n, -1).transpose(1, 0, 2)  # [n, N, V / n]
+        return _vmapped(fn, n, (0, None))(shards, targets)[0]  # every shard holds the global loss
+
+    cot = jnp.asarray(np.random.default_rng(0).standard_normal((6,) if reduction == "none" else (), np.float32))
+    with _kernels():  # jitted: vmap's axis must be bound when the collectives lower
+        got, grad = jax.jit(lambda x: (lambda o, pull: (o, pull(cot)[0]))(*jax.vjp(sharded, x)))(logits)
+    want, pull = jax.vjp(lambda x: ce_reference.cross_entropy(x, targets, spec=LossSpec(**kwargs)), logits)
+    assert conformance.relative_error(got, want) < 1e-5
+    assert conformance.relative_error(grad, pull(cot)[0]) < 1e-5
+
+
+@pytest.mark.skipif(ON_GPU or jax.default_backend() == "tpu", reason="the CPU stand-in for a TPU mesh")
+def test_pallas_tpu_linear_cross_entropy_chunk_kernels_under_vmap():
+    # The chunk kernels of the Mosaic TPU backend against xla_chunked's (the oracle's closed
+    # form), both vocabulary-parallel over 4 vmapped shards.
+    from forgeax.kernels.pallas.tpu import linear_cross_entropy as tpu_lce
+
+    n = 4
+    spec = LossSpec(axis_name="v", **OPTIONS)
+    logits, targets = _ce_inputs(6, jnp.float32, seed=9)
+    t = jnp.where((targets >= 0) & (targets < VOCAB), targets, -1)
+    shards = logits.reshape(6, n, -1).transpose(1, 0, 2)
+    config = tpu_lce.heuristic_config(None, None, None, spec=spec)
+
+    def run(kernels, cfg):
+        def one(z):
+            loss, lse = kernels.loss(z, t, spec, cfg)
+            return loss, lse, kernels.grad(z, t, lse, jnp.arange(1.0, 7.0), spec, cfg, jnp.float32)
+        return _vmapped(one, n, 0)(shards)
+
+    with _kernels():
+        got = jax.jit(lambda: run(tpu_lce.CHUNK_KERNELS, config))()
+    want = jax.jit(lambda: run(lce_reference.CHUNK_KERNELS, None))()
+    for g, w in zip(got, want):
+        assert conformance.relative_error(g, w) < 1e-5
