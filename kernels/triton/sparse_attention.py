@@ -1,4 +1,4 @@
-"""Block-sparse attention (NSA's selected branch) as Triton kernels: forward, dQ, dK/dV.
+"""Block-sparse attention (NSA's selected branch) as Triton kernels: forward and one backward launch.
 
 The contract is kernels/common/sparse_attention.py: q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv] read in
 place (constexpr strides), block_indices [B,K,cdiv(T,bs),W]. XLA first turns block_indices into
@@ -10,11 +10,15 @@ loops over exactly the selected pairs, with the loop bound loaded from the table
     for one query block (g*bs rows: the heads share the block's selection, so each K/V tile is
     loaded once for all of them), online softmax over the selected key blocks in log2 units;
     out = acc / l (0 when l == 0), lse = ln 2 (m + log2 l) (-inf when l == 0).
-  * `_dq_kernel`, the same grid: recomputes p = 2^(z - lse) per selected block,
-    dz = p (dp - D) with D = rowsum(dout * out) - dlse (one XLA reduction), dq = scale dz k.
-  * `_dkdv_kernel`, grid (cdiv(S, bs), B*K): a key block of one kv head loops over the query
-    blocks of its transposed-table row and, for each, over the G query heads in tiles of `g'`
-    heads; dk and dv are summed in f32 registers and stored once. No atomics: deterministic.
+  * `_bwd_kernel`, a 1-D grid: first the dK/dV programs, one per (key block, kv head), key block
+    0 (the most readers under causal selection) first. Each walks (reader query block, tile of
+    g' query heads) pairs in one loop, with p = 2^(z - lse), dz = p (dp - D), D = rowsum(dout *
+    out) - dlse (one XLA reduction), summing dk^T += q^T dz, dv^T += dout^T p in f32 registers;
+    stored once. Then the dQ programs, the forward's grid (last query blocks first), recompute p
+    and dp per selected block: dq = scale dz k. 7 products per pair, not 5: a 5-product backward
+    needs dq summed across the dK/dV programs (float atomics: nondeterministic, and at T 32k
+    about 17 GB of f32 read-modify-writes) or dz tiles kept in memory (4 GB at T 32k). No
+    atomics: deterministic. `fused_backward=False` runs the two halves as two launches.
 Tiles apply the key tail (s < S) and, with causal, s <= t + S - T, except the pairs of
 `full_blocks` (every row sees every key), which the tables count and the loops take first
 (forward, dQ) or last (dK/dV) without masks; rows past T load lse = -inf, so p = 0 there.
@@ -104,8 +108,9 @@ def shared_memory(q, v, spec: SparseAttentionSpec, config: TritonSparseAttention
     dkdv_rows = _heads(config.bwd_heads, group) * bs
     return {
         "forward": size * (config.fwd_stages * bs * (hp + hvp) + fwd_rows * hp),
-        "dq": size * (config.bwd_stages * bs * (hp + hvp) + dq_rows * (hp + hvp)),
-        "dkdv": size * (bs * (hp + hvp) + dkdv_rows * ((config.bwd_stages - 1) * (hp + hvp) + bs))
+        # f32 (tf32x3 dots) keeps the q / dout tiles twice and K / V once more
+        "dq": size * (config.bwd_stages * bs * (hp + hvp) + dq_rows * (hp + hvp) * (2 if size == 4 else 1)),
+        "dkdv": size * (bs * (hp + hvp) * (2 if size == 4 else 1) + dkdv_rows * ((config.bwd_stages - 1) * (hp + hvp) + bs))
         + dkdv_rows * (config.bwd_stages - 1) * 8,
     }
 
@@ -125,8 +130,11 @@ def heuristic_config(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> Tr
     heads = max(1, 128 // spec.block_size)
     rows = _heads(heads, q.shape[2] // k.shape[2]) * spec.block_size
     warps = 8 if rows >= 128 and padded_dim(q.shape[3]) >= 64 else 4
-    config = TritonSparseAttentionConfig(heads=heads, fwd_warps=warps, fwd_stages=3, dq_heads=heads, bwd_heads=heads,
-                                         bwd_warps=warps, bwd_stages=3)
+    # f32: 64 backward rows (the tf32x3 dQ program holds its q / dout tiles twice: 128 rows at
+    # head dim 128 ask 288 KB of shared memory even unpipelined).
+    bwd_heads = max(1, 64 // spec.block_size) if jnp.dtype(q.dtype).itemsize == 4 else heads
+    config = TritonSparseAttentionConfig(heads=heads, fwd_warps=warps, fwd_stages=3, dq_heads=bwd_heads,
+                                         bwd_heads=bwd_heads, bwd_warps=warps, bwd_stages=3)
     return _fit_stages(q, v, spec, config)
 
 
@@ -143,12 +151,15 @@ def _fit_stages(q, v, spec, config: TritonSparseAttentionConfig) -> TritonSparse
 
 def candidate_configs(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> tuple[TritonSparseAttentionConfig, ...]:
     """The heuristic's config, then one field moved at a time: heads halved / doubled (forward,
-    dQ, dK/dV), warps 4 / 8, stages 2..4, the backward unfused; those whose shared memory fits."""
+    dQ, dK/dV; doubled forward heads also at 16 warps), warps 4 / 8, stages 2..4, the backward
+    unfused; those whose shared memory fits."""
     base = heuristic_config(q, k, v, block_indices, spec=spec)
     configs = [base, base.replace(fused_backward=False)]
     for heads in (base.heads // 2, base.heads * 2):
         if heads >= 1:
             configs += [base.replace(heads=heads), base.replace(dq_heads=heads), base.replace(bwd_heads=heads)]
+    # 256 forward rows: 16 warps hold them without spilling (128 registers at head dim 128).
+    configs.append(base.replace(heads=base.heads * 2, fwd_warps=16))
     for warps in (4, 8):
         for stages in (2, 3, 4):
             configs += [base.replace(fwd_warps=warps, fwd_stages=stages), base.replace(bwd_warps=warps, bwd_stages=stages)]
