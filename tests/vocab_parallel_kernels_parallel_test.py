@@ -276,3 +276,36 @@ def test_pallas_tpu_linear_cross_entropy_chunk_kernels_under_vmap():
     want = jax.jit(lambda: run(lce_reference.CHUNK_KERNELS, None))()
     for g, w in zip(got, want):
         assert conformance.relative_error(g, w) < 1e-5
+
+
+@pytest.mark.skipif(ON_GPU or jax.default_backend() == "tpu", reason="on GPUs: the shard_map tests above")
+def test_pallas_gpu_linear_cross_entropy_chunk_kernels_under_vmap():
+    # The fused wgmma kernel (Mosaic GPU interpreter) takes the matmul operands: its statistics
+    # over each shard's W slice, combined over 2 vmapped shards, against xla_chunked's on the
+    # same bf16-rounded logits.
+    from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
+
+    n, hidden, vocab, tokens = 2, 64, 512, 8
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    w = jnp.asarray(0.3 * rng.standard_normal((hidden, vocab)), jnp.bfloat16)
+    t = _targets(rng, (tokens,), vocab)
+    t = jnp.where((t >= 0) & (t < vocab), t, -1)
+    spec = LossSpec(axis_name="v", **OPTIONS)
+    shards = w.reshape(hidden, n, -1).transpose(1, 0, 2)
+
+    def run(kernels, cfg, fused):
+        def one(w_slice):
+            if fused:
+                operands = (x, w_slice, None)
+            else:
+                operands = jnp.dot(x, w_slice, preferred_element_type=jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+            loss, lse = kernels.loss(operands, t, spec, cfg)
+            return loss, lse, kernels.grad(operands, t, lse, jnp.arange(1.0, tokens + 1.0), spec, cfg, jnp.float32)
+        return _vmapped(one, n, 0)(shards)
+
+    with _kernels():
+        got = jax.jit(lambda: run(gpu_lce.CHUNK_KERNELS, gpu_lce.heuristic_config(x, w, t, spec=spec), True))()
+    want = jax.jit(lambda: run(lce_reference.CHUNK_KERNELS, None, False))()
+    for g, r in zip(got, want):
+        assert conformance.relative_error(g, r) < 1e-5

@@ -26,6 +26,9 @@ Two ways to differentiate (`CrossEntropyTritonConfig.grad_in_forward`):
     backward = an XLA elementwise scale (one more read and write of the
     gradient unless XLA fuses it into the consumer). The logits are dead
     after the forward, as in Liger-Kernel.
+Vocabulary-parallel (spec.axis_name, inside shard_map): `_stats_kernel` writes the slice's
+(lse, z_t, sum z), combined by kernels/common/losses.py (pmax + psum); `_grad_kernel` takes the
+global lse and VG, the global vocabulary (grad_in_forward does not apply).
 The reduction ("mean"/"sum") is XLA on the per-token losses, so its gradient
 reaches the kernels as the per-token cotangent: the valid-token count stays on
 device. Sizes, strides and the float options are constexprs (vector loads;
