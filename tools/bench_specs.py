@@ -762,6 +762,8 @@ def _ragged_paged_attention_spec() -> Spec:
     shapes = (
         Shape("mixed 4x2048 prefill + 60 decodes ctx8192 N32 KV8 H128 page16", (4, 2048, 60, 8192, 32, 8, 128, 16),
               "bfloat16"),
+        Shape("decode-heavy 2x512 prefill + 120 decodes ctx4096 N32 KV8 H128 page16", (2, 512, 120, 4096, 32, 8, 128, 16),
+              "bfloat16"),
         Shape("small f32", (1, 64, 3, 256, 8, 2, 64, 16), "float32", small=True),
     )
 
@@ -889,8 +891,16 @@ def _sparse_attention_spec() -> Spec:
         if backend == "xla" and not options.pop("reference_fits", True):
             raise UnsupportedError("the reference materialises [B, N, T, S] f32 scores: too large here")
         options.pop("reference_fits", None)
-        return step(lambda q, k, v, idx: ops.sparse_attention(q, k, v, block_indices=idx, block_size=block_size,
-                                                              causal=True, backend=backend, **options), mode)
+
+        def call(q, k, v, idx):  # what is left of options: config fields ('triton:bwd_heads=1')
+            from forgeax.kernels.common.sparse_attention import SparseAttentionSpec  # noqa: PLC0415
+
+            spec = SparseAttentionSpec(block_size=block_size, causal=True, scale=1 / math.sqrt(q.shape[3]))
+            config = _with_config("sparse_attention", backend, options, q, k, v, idx, spec=spec)
+            return ops.sparse_attention(q, k, v, block_indices=idx, block_size=block_size, causal=True,
+                                        backend=backend, **config)
+
+        return step(call, mode)
 
     def dense_causal(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         return step(lambda q, k, v, idx: ops.attention(q, k, v, causal=True), mode)
