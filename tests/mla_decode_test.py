@@ -164,6 +164,17 @@ def test_triton_splits_merge_to_the_reference(splits, block_n):
     assert conformance.relative_error(got, _reference(*args)) < 1e-5
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton backend does not run here")
+def test_triton_unpadded_dims_whole_blocks_and_tails():
+    """L = 48, R = 8 (padded to 64 / 16 in the kernel), paged: runs of whole 16-key blocks (no
+    key mask) and partial last blocks (masked), a run past a short request's end."""
+    from forgeax.kernels.triton.mla_decode import MlaDecodeTritonConfig  # noqa: PLC0415
+
+    args = _inputs((3, 5, 48, 8, 40, (40, 17, 32), 8, "f32"), seed=29)
+    got = _public(*args, backend="triton", config=MlaDecodeTritonConfig(block_h=16, block_n=16, num_splits=2))
+    assert conformance.relative_error(got, _reference(*args)) < 1e-5
+
+
 @pytest.mark.skipif("pallas_tpu" not in BACKENDS, reason="the Mosaic TPU backend does not run here")
 def test_pallas_tpu_head_tiles_and_key_blocks():
     from forgeax.kernels.pallas.tpu.mla_decode import MlaDecodeTpuConfig  # noqa: PLC0415

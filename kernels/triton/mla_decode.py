@@ -62,16 +62,18 @@ def _mla_step(ql, qr, acc, m_i, l_i, start, hi, b, KV, KR, PT, L: tl.constexpr, 
         rows = page.to(tl.int64) * S + s % S
     else:
         rows = b.to(tl.int64) * S + s
-    kv_mask = (s_ok[:, None] | (not MASKED)) & (lat < L)[None, :]
-    kr_mask = (s_ok[:, None] | (not MASKED)) & (rop < R)[None, :]
-    if MASKED or L != LP:
-        kv = tl.load(KV + rows[:, None] * L + lat[None, :], mask=kv_mask, other=0.0)
+    if MASKED:
+        kv = tl.load(KV + rows[:, None] * L + lat[None, :], mask=s_ok[:, None] & (lat < L)[None, :], other=0.0)
+        kr = tl.load(KR + rows[:, None] * R + rop[None, :], mask=s_ok[:, None] & (rop < R)[None, :], other=0.0)
     else:
-        kv = tl.load(KV + rows[:, None] * L + lat[None, :])
-    if MASKED or R != RP:
-        kr = tl.load(KR + rows[:, None] * R + rop[None, :], mask=kr_mask, other=0.0)
-    else:
-        kr = tl.load(KR + rows[:, None] * R + rop[None, :])
+        if L == LP:
+            kv = tl.load(KV + rows[:, None] * L + lat[None, :])
+        else:
+            kv = tl.load(KV + rows[:, None] * L + lat[None, :], mask=(lat < L)[None, :], other=0.0)
+        if R == RP:
+            kr = tl.load(KR + rows[:, None] * R + rop[None, :])
+        else:
+            kr = tl.load(KR + rows[:, None] * R + rop[None, :], mask=(rop < R)[None, :], other=0.0)
     if DOT == 0:  # one accumulation chain for q.k over the latent and rope parts
         z = tl.dot(qr, tl.trans(kr), tl.dot(ql, tl.trans(kv))) * SCALE2
     else:
