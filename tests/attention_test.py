@@ -373,6 +373,29 @@ def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid):
     _check("pallas_gpu", args, kwargs, config=config)
 
 
+@pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
+def test_pallas_gpu_dz_tiles_in_head_chunks_in_interpreter():
+    """The dz^T backward one chunk of query heads at a time (`dz_chunk_bytes`), here one query
+    head per chunk (2 kv heads x groups of 2: kv offsets and a group split across chunks, which
+    carries its f32 dk/dv sums): every gradient equals the unchunked one bit for bit. Causal
+    T = S = 256 at head_dim 64: 6 (128 keys, 64 queries) dz^T tiles of 16 KiB per head."""
+    from forgeax.kernels.common.attention import AttentionSpec
+    from forgeax.kernels.pallas.gpu import attention_backward
+    from forgeax.kernels.pallas.gpu.attention_tiles import tails_of
+
+    kwargs = dict(causal=True)
+    args = _qkv(1, 256, 256, 4, 2, 64, jnp.bfloat16, seed=29)
+    whole = _gpu_config(args, kwargs, dz_tiles=True)
+    chunked = whole.replace(dz_chunk_bytes=6 * 128 * 64 * 2, dz_chunk_min_tiles=1)
+    _, plan = attention_backward._dz_tiles(AttentionSpec(causal=True), tails_of(*args), 1, 4, 2, jnp.bfloat16, chunked)
+    assert [(c.k0, c.g0) for c in plan] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ct = jnp.asarray(_rng(3).standard_normal(args[0].shape), jnp.bfloat16)
+    grads = lambda config: jax.grad(lambda *a: jnp.sum(ops.attention(*a, backend="pallas_gpu", config=config, **kwargs)
+                                                      .astype(jnp.float32) * ct), argnums=(0, 1, 2))(*args)
+    for name, a, b in zip("qkv", grads(whole), grads(chunked)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"d{name}")
+
+
 def _triton_config(args, kwargs, **changes):
     """Triton's heuristic TritonAttentionConfig for this call with `changes` (the tiles or
     schedule a test forces)."""

@@ -60,7 +60,13 @@ class AttentionConfig(KernelConfig):
         and persistent).
     Backward:
       dz_tiles: dq from the dz^T tiles the dK/dV kernel stores, instead of the dQ kernel.
-      dz_tiles_max_bytes: the most memory those tiles may take.
+      dz_tiles_max_bytes: the most memory those tiles may take for all heads (beyond: the dQ kernel).
+      dz_chunk_bytes: the most memory the tiles of one chunk of query heads may take: the
+        backward runs the dK/dV and dq-from-dz^T launches per chunk, the chunks reusing one
+        buffer (dk/dv sums of a split GQA group carried in f32). 320 MiB takes Llama-3-8B's
+        causal T8192 (N32 / KV8) in 8 chunks of 4 query heads, 260 MiB of tiles instead of 2.03 GiB.
+      dz_chunk_min_tiles: the fewest dK/dV tiles (128 keys of one kv head) a chunk that splits
+        the kv heads may keep: 256, two per SM of a Hopper, keeps the causal imbalance covered.
       dq_from_dz_block_kv: keys per step of the dq-from-dz^T kernel.
       persistent_dq_from_dz: its grid is persistent.
       delta_in_dq_kernel: delta = rowsum(dO * O) - dlse in the dQ kernel instead of XLA.
@@ -76,6 +82,8 @@ class AttentionConfig(KernelConfig):
     flat_forward: bool
     dz_tiles: bool
     dz_tiles_max_bytes: int = 4 << 30
+    dz_chunk_bytes: int = 320 << 20
+    dz_chunk_min_tiles: int = 256
     dq_from_dz_block_kv: int = 64
     persistent_dq_from_dz: bool = False
     delta_in_dq_kernel: bool = True
@@ -93,6 +101,10 @@ class AttentionConfig(KernelConfig):
                 raise ValueError(f"AttentionConfig.{name}: expected 32, 64 or 128, got {getattr(self, name)}")
         if self.dk_query_block not in (32, 64):
             raise ValueError(f"AttentionConfig.dk_query_block: expected 32 or 64, got {self.dk_query_block}")
+        for name in ("dz_tiles_max_bytes", "dz_chunk_bytes", "dz_chunk_min_tiles"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"AttentionConfig.{name}: expected a positive int, got {value!r}")
         if self.flat_forward and not (self.overlap and self.persistent):
             raise ValueError("AttentionConfig.flat_forward: needs overlap=True and persistent=True")
 

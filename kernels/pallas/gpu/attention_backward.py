@@ -34,9 +34,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.attention import AttentionSpec
 from forgeax.kernels.pallas.gpu.attention_tiles import (
-    LOG2E, Band, PackedTiles, Tails, Tile, allowed, backward_barriers, block_transforms, cap_grad, exp2_scaled,
-    key_block_producer, ring_stages, scores, segment_ids, segment_inputs, staging_and_segment_buffers, tails_of,
-    three_loops, tile_schedule,
+    LOG2E, Band, HeadChunk, PackedTiles, Tails, Tile, allowed, backward_barriers, block_transforms, cap_grad,
+    exp2_scaled, head_chunks, key_block_producer, ring_stages, scores, segment_ids, segment_inputs,
+    staging_and_segment_buffers, tails_of, three_loops, tile_schedule,
 )
 from forgeax.kernels.pallas.gpu.warpgroups import (
     CTA, F32, FIRST_NAMED_BARRIER, ROWS, WGS, Mma, SlotFree, bcast, i32, launch, warp_specialized, zeros,
@@ -58,7 +58,8 @@ def _dkv_query_block(H: int, parts: tuple[str, ...], dk_query_block: int = 32) -
 
 
 def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: Tails, config: AttentionConfig,
-         parts: tuple[str, ...] = ("dk", "dv"), dz_tiles: PackedTiles | None = None):
+         parts: tuple[str, ...] = ("dk", "dv"), dz_tiles: PackedTiles | None = None, chunk: HeadChunk | None = None,
+         carried: tuple | None = None):
     """The `parts` of (dk [B, S, K, H], dv [B, S, K, Hv]): one CTA per 128 keys of one (b, kv
     head), the accumulators in registers, query blocks of `_dkv_query_block` rows streamed.
 
@@ -71,11 +72,21 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     consumes) also goes out, into [B, N, pairs, 128 keys, 64 queries] packed by it (each warpgroup
     writes its 64 keys' half), for `_dq_from_dz`, through a double-buffered SMEM tile per
     warpgroup and a TMA store (a store from registers straight to global memory was slower).
+
+    chunk (`HeadChunk`, with both parts): only the kv heads [k0, k0 + kv) and, of each group, the
+    query heads [g0, g0 + g); the outputs cover those kv heads ([B, S, kv, .]) and dz^T those
+    kv * g query heads. A chunk that does not end its group returns its f32 accumulators
+    unscaled (stored from registers) and the next one starts from them (`carried`, loaded into
+    registers), so dk and dv are summed in the unchunked order, bit for bit.
     """
     B, _, N, H = q.shape
     K, Hv = k.shape[2], v.shape[3]
     T, S = tails.T_padded, tails.S_padded  # the tiles' extent; q, k may end before (`Tails`)
     G, dt = N // K, q.dtype
+    chunk = chunk or HeadChunk(0, K, 0, G, G)
+    assert chunk.whole or parts == ("dk", "dv")
+    assert (carried is not None) == chunk.carry_in
+    Gc = chunk.g
     bq = _dkv_query_block(H, parts, config.dk_query_block)
     want_dk, want_dv = "dk" in parts, "dv" in parts
     item = jnp.dtype(dt).itemsize
@@ -96,14 +107,14 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     fa3_order = config.dkv_fa3_order and want_dk and want_dv
     fresh_pair = fa3_order or not want_dv  # q k^T and dO v^T issued together
 
-    def tile_at(t, reach=None) -> Tile:  # rows = 128 keys of kv head n, columns = blocks of bq queries
-        return Tile.of(t, (K, S // CTA, B), band, bq, T, last_first=False, reach=reach)
+    def tile_at(t, reach=None) -> Tile:  # rows = 128 keys of kv head k0 + n, columns = blocks of bq queries
+        return Tile.of(t, (chunk.kv, S // CTA, B), band, bq, T, last_first=False, reach=reach)
 
-    schedule = tile_schedule(lambda t: G * tile_at(t).steps, (K, S // CTA, B), segmented, interpret,
+    schedule = tile_schedule(lambda t: Gc * tile_at(t).steps, (chunk.kv, S // CTA, B), segmented, interpret,
                              config.persistent_dkv)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref, row_ids_ref, col_ids_ref, reach_ref,
-               dz_base_ref, *refs):
+               dz_base_ref, dk_in_ref, dv_in_ref, *refs):
         out_refs, refs = dict(zip(parts, refs[:len(parts)])), refs[len(parts):]
         dz_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dz_smem, stage, row_ids_smem, col_ids_smem,
@@ -111,7 +122,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
         wg = lax.axis_index("wg")
         ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
-        steps_of = lambda t: G * tile(t).steps  # ring uses: every query head of the group
+        steps_of = lambda t: Gc * tile(t).steps  # ring uses: every query head of the chunk's group
 
         def consumer():
             total = schedule.total(table_ref, steps_of)
@@ -124,7 +135,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                 tl = tile(t)
                 keys = tl.r0 + wg * ROWS
                 per_head = tl.steps
-                gk = (tl.b, pl.ds(keys, ROWS), tl.n)
+                gk = (tl.b, pl.ds(keys, ROWS), chunk.k0 + tl.n)  # k, v
+                own = (tl.b, pl.ds(keys, ROWS), tl.n)  # the outputs (the chunk's kv heads)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dk/dv left k_s, v_s
                 plgpu.copy_gmem_to_smem(k_ref.at[gk], k_s, kv_bar.at[wg])
                 if want_dk:
@@ -168,7 +180,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                                 buf[...] = dst
                                 plgpu.commit_smem()
                                 entry = packed.entry(dz_base_ref, lax.div(tl.r0, i32(CTA)), j)
-                                plgpu.copy_smem_to_gmem(buf, dz_ref.at[tl.b, tl.n * G + g, entry, pl.ds(wg * ROWS, ROWS)])
+                                plgpu.copy_smem_to_gmem(buf, dz_ref.at[tl.b, tl.n * Gc + g, entry, pl.ds(wg * ROWS, ROWS)])
 
                             if fa3_order:
                                 if packed:
@@ -183,15 +195,24 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
 
                     return three_loops(tl.lo, tl.full_lo, tl.full_hi, tl.hi, step, carry, band, segmented)
 
-                accs = lax.fori_loop(0, G, head, tuple(zeros((ROWS, widths[name])) for name in parts))
+                if chunk.carry_in:  # the previous chunk's f32 sums, straight from global memory
+                    start = tuple(plgpu.load(ref.at[own], layout=plgpu.Layout.WGMMA, optimized=False)
+                                  for ref in (dk_in_ref, dv_in_ref))
+                else:
+                    start = tuple(zeros((ROWS, widths[name])) for name in parts)
+                accs = lax.fori_loop(0, Gc, head, start)
+                if chunk.carry_out:  # f32 sums for the next chunk: no SMEM is free for f32 tiles
+                    for name, acc in zip(parts, accs):
+                        out_refs[name].at[own][...] = acc
+                    return base + Gc * per_head
                 # The results go out through the K/V buffers (every wgmma reading them is done).
                 bufs = {"dk": k_s, "dv": k_s if v_s is None else v_s}
                 for name, acc in zip(parts, accs):
                     buf = bufs[name]
                     buf[...] = (acc * spec.scale if name == "dk" else acc).astype(dt)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(buf, out_refs[name].at[gk])
-                return base + G * per_head
+                    plgpu.copy_smem_to_gmem(buf, out_refs[name].at[own])
+                return base + Gc * per_head
 
             return one_tile
 
@@ -202,7 +223,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
 
                 def load(i, c):
                     slot = lax.rem(base + i, i32(stages))
-                    n = tl.n * G + lax.div(i, per_head)
+                    n = (chunk.k0 + tl.n) * G + chunk.g0 + lax.div(i, per_head)
                     t0 = (tl.lo + lax.rem(i, per_head)) * bq
                     ring.acquire(slot, base + i)
                     rows = (tl.b, pl.ds(t0, bq), n)
@@ -215,8 +236,8 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
                         plgpu.copy_gmem_to_smem(col_ids_ref.at[rows[:2]], col_ids_smem.at[slot], loaded.at[slot])
                     return c
 
-                lax.fori_loop(0, G * tl.steps, load, None)
-                return base + G * tl.steps
+                lax.fori_loop(0, Gc * tl.steps, load, None)
+                return base + Gc * tl.steps
 
             return one_tile
 
@@ -237,12 +258,14 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
     bars = backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
                               segmented=segmented)
-    out_type = tuple(jax.ShapeDtypeStruct(k.shape[:3] + (widths[name],), dt) for name in parts) + (
-        (jax.ShapeDtypeStruct((B, N, packed.entries, CTA, bq), dt),) if packed else ())
+    out_dt = F32 if chunk.carry_out else dt
+    out_type = tuple(jax.ShapeDtypeStruct((B, k.shape[1], chunk.kv, widths[name]), out_dt) for name in parts) + (
+        (jax.ShapeDtypeStruct((B, chunk.heads, packed.entries, CTA, bq), dt),) if packed else ())
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
+    carried = carried if chunk.carry_in else (jnp.zeros((1,), F32),) * 2
     return launch(name, kernel, scratch, bars, out_type, schedule, interpret)(
         q, k, v, do, lse2, delta, schedule.input(), *segment_inputs(kv_segment_ids, q_segment_ids),
-        jnp.asarray(packed.base if packed else np.zeros(1, np.int32)))
+        jnp.asarray(packed.base if packed else np.zeros(1, np.int32)), *carried)
 
 
 def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, tails: Tails, config: AttentionConfig,
@@ -391,17 +414,20 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
 
 
 def _dq_from_dz(q, k, dz, packed: PackedTiles, q_segment_ids, kv_segment_ids, spec, tails: Tails,
-                config: AttentionConfig):
+                config: AttentionConfig, chunk: HeadChunk | None = None):
     """dq = scale * dz k [B, T, N, H] from the dz^T tiles `_dkv` wrote, packed as `packed` (`_dz_tiles`):
     one CTA per 128 query rows of one (b, n), blocks of `dq_from_dz_block_kv` keys streamed with
     their dz^T tiles (one per warpgroup's 64 queries), one wgmma per step where `_dq` also recomputes q k^T and
     dO v^T. The CTA's key blocks (`Band.forward`) may hold tiles `_dkv` never wrote for one
     warpgroup's 64 rows (its query blocks come from `Band.keys_by_query` per 128 keys): a
-    warpgroup keeps a step's product only where its query block was in that key tile's range."""
+    warpgroup keeps a step's product only where its query block was in that key tile's range.
+    chunk (`HeadChunk`): dz holds (and dq [B, T, kv * g, H] covers) only that chunk's query heads,
+    head i being kv head k0 + i // g's query head g0 + i % g."""
     B, _, N, H = q.shape
     K = k.shape[2]
     T, S = tails.T_padded, tails.S_padded
     G, dt = N // K, q.dtype
+    chunk = chunk or HeadChunk(0, K, 0, G, G)
     item = jnp.dtype(dt).itemsize
     bq = _dkv_query_block(H, ("dk", "dv"))
     assert bq == ROWS, "a warpgroup's rows are one dK/dV query block"
@@ -410,8 +436,9 @@ def _dq_from_dz(q, k, dz, packed: PackedTiles, q_segment_ids, kv_segment_ids, sp
     stages = ring_stages(bkv * (H + WGS * ROWS) * item, WGS * ROWS * H * item, cap=4)
     band, written = Band.forward(spec, tails), Band.keys_by_query(spec, tails)
     interpret = interpret_enabled()
-    tile_at = lambda t, reach=None: Tile.of(t, (N, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
-    schedule = tile_schedule(lambda t: tile_at(t).steps, (N, T // CTA, B), segmented, interpret,
+    heads = chunk.heads
+    tile_at = lambda t, reach=None: Tile.of(t, (heads, T // CTA, B), band, bkv, S, last_first=True, reach=reach)
+    schedule = tile_schedule(lambda t: tile_at(t).steps, (heads, T // CTA, B), segmented, interpret,
                              config.persistent_dq_from_dz)
 
     def kernel(k_ref, dz_ref, table_ref, reach_ref, key_reach_ref, dz_base_ref, dq_ref, k_smem, dz_smem, out_smem,
@@ -428,7 +455,7 @@ def _dq_from_dz(q, k, dz, packed: PackedTiles, q_segment_ids, kv_segment_ids, sp
             def one_tile(kk, t, base):
                 tl = tile(t)
                 rows = tl.r0 + wg * ROWS
-                kh = lax.div(tl.n, i32(G))
+                kh = chunk.k0 + lax.div(tl.n, i32(chunk.g))
                 query_block = lax.div(rows, i32(bq))
 
                 def steps(acc):
@@ -463,13 +490,15 @@ def _dq_from_dz(q, k, dz, packed: PackedTiles, q_segment_ids, kv_segment_ids, sp
         def copy_block(tl, kh, i, g, slot):
             ring.acquire(slot, g)
             k0 = (tl.lo + i) * bkv
-            plgpu.copy_gmem_to_smem(k_ref.at[tl.b, pl.ds(k0, bkv), kh], k_smem.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[tl.b, pl.ds(k0, bkv), chunk.k0 + kh], k_smem.at[slot], loaded.at[slot])
             key_tile, row = lax.div(k0, i32(CTA)), pl.ds(lax.rem(k0, i32(CTA)), bkv)
             for w in range(WGS):
                 entry = packed.entry(dz_base_ref, key_tile, lax.div(tl.r0, i32(bq)) + w)
                 plgpu.copy_gmem_to_smem(dz_ref.at[tl.b, tl.n, entry, row], dz_smem.at[slot, w], loaded.at[slot])
 
-        warp_specialized(wg, schedule, table_ref, consumer, lambda: key_block_producer(tile, G, stages, copy_block))
+        # kh = the chunk's own kv head (tl.n // g); copy_block adds k0.
+        warp_specialized(wg, schedule, table_ref, consumer,
+                         lambda: key_block_producer(tile, chunk.g, stages, copy_block))
 
     tr = block_transforms(dt, bkv, H, ROWS)
     scratch = [
@@ -482,8 +511,8 @@ def _dq_from_dz(q, k, dz, packed: PackedTiles, q_segment_ids, kv_segment_ids, sp
             plgpu.Barrier(num_arrivals=WGS, num_barriers=stages)]
     reach = segment_inputs(q_segment_ids, kv_segment_ids)[2]
     key_reach = segment_inputs(kv_segment_ids, q_segment_ids)[2]
-    return launch("attention_dq_from_dz", kernel, scratch, bars, jax.ShapeDtypeStruct(q.shape, dt), schedule,
-                  interpret)(k, dz, schedule.input(), reach, key_reach, jnp.asarray(packed.base))
+    return launch("attention_dq_from_dz", kernel, scratch, bars, jax.ShapeDtypeStruct((B, q.shape[1], heads, H), dt),
+                  schedule, interpret)(k, dz, schedule.input(), reach, key_reach, jnp.asarray(packed.base))
 
 
 def _dz_layout(spec: AttentionSpec, tails: Tails) -> PackedTiles:
@@ -494,16 +523,50 @@ def _dz_layout(spec: AttentionSpec, tails: Tails) -> PackedTiles:
                           _dkv_query_block(tails.head_dim, ("dk", "dv")), tails.T_padded)
 
 
-def _dz_tiles(spec: AttentionSpec, tails: Tails, B: int, N: int, dt, config: AttentionConfig) -> PackedTiles | None:
-    """The dz^T tiles' layout (`_dz_layout`) when the backward takes dq from them (`_dq_from_dz`),
-    else None: where `config.dz_tiles` asks for them, at head dims <= 128 (whose dK/dV query
-    block is a warpgroup's 64 rows), v no wider than q/k, while the B*N heads' packed tiles fit
-    `config.dz_tiles_max_bytes`."""
+def _dz_tiles(spec: AttentionSpec, tails: Tails, B: int, N: int, K: int, dt,
+              config: AttentionConfig) -> tuple[PackedTiles, list[HeadChunk]] | None:
+    """The dz^T tiles' layout (`_dz_layout`) and the head chunks that take turns in their memory
+    (`head_chunks`, at most `config.dz_chunk_bytes` each) when the backward takes dq from them
+    (`_dq_from_dz`), else None: where `config.dz_tiles` asks for them, at head dims <= 128 (whose
+    dK/dV query block is a warpgroup's 64 rows), v no wider than q/k, while the B*N heads'
+    packed tiles fit `config.dz_tiles_max_bytes` and some chunk fits `dz_chunk_bytes`."""
     if not config.dz_tiles or tails.head_dim > 128 or tails.value_head_dim > tails.head_dim:
         return None
     layout = _dz_layout(spec, tails)
-    nbytes = B * N * layout.entries * CTA * layout.blk * jnp.dtype(dt).itemsize
-    return layout if nbytes <= config.dz_tiles_max_bytes else None
+    head_bytes = B * layout.entries * CTA * layout.blk * jnp.dtype(dt).itemsize
+    if N * head_bytes > config.dz_tiles_max_bytes:
+        return None
+    chunks = head_chunks(B, K, N // K, tails.S_padded // CTA, head_bytes, config.dz_chunk_bytes,
+                         config.dz_chunk_min_tiles)
+    return None if chunks is None else (layout, chunks)
+
+
+def _dz_backward(q, k, v, dout, lse2, delta, segments, spec, tails: Tails, config: AttentionConfig,
+                 layout: PackedTiles, chunks: list[HeadChunk]):
+    """(dq, dk, dv) by `_dkv` with dz^T tiles then `_dq_from_dz`, one chunk of query heads at a
+    time. Each chunk's launches wait for the previous chunk's dq (an optimization barrier), so
+    its dz^T tiles are dead before the next chunk's are written and XLA gives both one buffer."""
+    B, Tp, N, H = q.shape
+    K = k.shape[2]
+    dqs, dks, dvs = {}, {}, {}
+    carried = after = None
+    for c in chunks:
+        q_in = q if after is None else lax.optimization_barrier((q, after))[0]
+        dk, dv, dz = _dkv(q_in, k, v, dout, lse2, delta, *segments, spec, tails, config, dz_tiles=layout, chunk=c,
+                          carried=carried)
+        after = _dq_from_dz(q, k, dz, layout, *segments, spec, tails, config, chunk=c)
+        dqs.setdefault(c.k0, []).append(after.reshape(B, Tp, c.kv, c.g, H))
+        carried = (dk, dv) if c.carry_out else None
+        if not c.carry_out:
+            dks[c.k0], dvs[c.k0] = dk, dv
+    if len(chunks) == 1:
+        return after, dk, dv
+    # The chunks' dq, dk, dv in head order: one copy of each (dq: kv heads k0.., their group's g0..).
+    dq = jnp.concatenate([jnp.concatenate(dqs[k0], axis=3) for k0 in sorted(dqs)], axis=2).reshape(B, Tp, N, H)
+    dk = jnp.concatenate([dks[k0] for k0 in sorted(dks)], axis=2)
+    dv = jnp.concatenate([dvs[k0] for k0 in sorted(dvs)], axis=2)
+    assert dk.shape[2] == K
+    return dq, dk, dv
 
 
 def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, dout, dlse, spec,
@@ -522,11 +585,9 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
     rows = slice(0, tails.T)
     xla_delta = lambda: tails.row_stats(
         jnp.einsum("btnh,btnh->bnt", dout[:, rows].astype(F32), out[:, rows].astype(F32)) - dlse)
-    dz_tiles = _dz_tiles(spec, tails, q.shape[0], q.shape[2], dt, config)
+    dz_tiles = _dz_tiles(spec, tails, q.shape[0], q.shape[2], k.shape[2], dt, config)
     if dz_tiles is not None:  # dK/dV first, then dq from its dz^T tiles
-        delta = xla_delta()
-        dk, dv, dz = _dkv(q, k, v, dout, lse2, delta, *segments, spec, tails, config, dz_tiles=dz_tiles)
-        dq = _dq_from_dz(q, k, dz, dz_tiles, *segments, spec, tails, config)
+        dq, dk, dv = _dz_backward(q, k, v, dout, lse2, xla_delta(), segments, spec, tails, config, *dz_tiles)
     else:
         # delta in the dQ kernel needs a key block that holds a tile's O rows (`_dq`); under a
         # left window and with segment ids it always comes from XLA.

@@ -407,3 +407,53 @@ def key_block_producer(tile, G: int, stages: int, copy_block):
 
 def tails_of(q, k, v) -> Tails:
     return Tails.of(q, k, v, kernel_head_dims(q.shape[3], v.shape[3]))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadChunk:
+    """The query heads one pair of backward launches covers (`head_chunks`): of kv heads
+    [k0, k0 + kv), the query heads [g0, g0 + g) of each group of G."""
+
+    k0: int
+    kv: int
+    g0: int
+    g: int
+    G: int
+
+    @property
+    def heads(self) -> int:
+        return self.kv * self.g
+
+    @property
+    def carry_in(self) -> bool:  # dk/dv start from the previous chunk's f32 sums
+        return self.g0 > 0
+
+    @property
+    def carry_out(self) -> bool:  # the group continues in the next chunk
+        return self.g0 + self.g < self.G
+
+    @property
+    def whole(self) -> bool:
+        return self.g == self.G
+
+
+def head_chunks(B: int, K: int, G: int, key_tiles: int, head_bytes: int, budget: int,
+                min_tiles: int) -> list[HeadChunk] | None:
+    """The fewest chunks of query heads whose dz^T tiles (head_bytes per query head, all B
+    batches) fit `budget` each: the group's query heads split before the kv heads
+    (a split group costs an f32 dk/dv round trip; a kv split shrinks the dK/dV grid), kv heads
+    only while a chunk keeps kv * key_tiles * B >= min_tiles dK/dV tiles (the causal band makes
+    the first key tiles G times longer than the last: fewer tiles leave SMs idle). The chunks of
+    one kv range come in group order (their dk/dv sums carry). None: no chunk fits."""
+    divisors = lambda n: [d for d in range(n, 0, -1) if n % d == 0]
+    best = None
+    for kv in divisors(K):
+        if kv != K and kv * key_tiles * B < min_tiles:
+            continue
+        for g in divisors(G):
+            if kv * g * head_bytes <= budget and (best is None or (kv * g, g) > (best[0] * best[1], best[1])):
+                best = (kv, g)
+    if best is None:
+        return None
+    kv, g = best
+    return [HeadChunk(k0, kv, g0, g, G) for k0 in range(0, K, kv) for g0 in range(0, G, g)]
