@@ -103,8 +103,7 @@ class _Ring:
         return tuple(jax.lax.ppermute(x, self.axis_name, perm) for x in xs)
 
     def varying(self, x):
-        """x typed as varying over the ring axis, as every branch of a switch must be: constants are
-        not, and neither are the outputs of kernel calls (Pallas, Triton) that drop the type."""
+        """A constant typed as varying over the ring axis, as every branch of a switch must be."""
         return ManualAxes((self.axis_name,)).apply(x)
 
     def block(self, q, k, v, q_seg, kv_seg, me, src):
@@ -132,9 +131,11 @@ class _Ring:
         length = q.shape[1]
 
         def run(causal=False, mask=None):
+            # Typed varying already (the kernels' custom_vjp restores the type): casting here would
+            # differentiate into a psum of the cotangents.
             out, lse = attention(q, k, v, causal=causal, mask=mask, segment_ids=seg, return_lse=True,
                                  backend=self.backend, **self.options)
-            return self.varying(out.astype(jnp.float32)), self.varying(lse)
+            return out.astype(jnp.float32), lse
 
         def skip():
             return (self.varying(jnp.zeros(q.shape[:-1] + (v.shape[-1],), jnp.float32)),

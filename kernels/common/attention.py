@@ -257,14 +257,23 @@ def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[A
         fn = _by_batch(functools.partial(kernels.backward, spec=spec), spec, True)
         return fold_vmap_into_rows(fn, rows)(*args, out, lse, dout, dlse)
 
+    def typed_forward(args, spec):
+        # Inside shard_map the kernels' outputs lose their varying-axes type. It is restored here,
+        # inside the custom_vjp, so that no cast is differentiated: a cast outside would transpose
+        # to a psum of the cotangents (wrong gradients, and a collective that devices taking
+        # different branches of a switch, as ring attention's causal blocks do, never all reach).
+        axes = ManualAxes.of(*args[:4])
+        out, lse = forward(args, spec)
+        return (axes.apply(out), axes.apply(lse)), axes
+
     @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
     def attention(q, k, v, bias, mask, qseg, kvseg, seed, spec):
-        return forward((q, k, v, bias, mask, qseg, kvseg, seed), spec)
+        return typed_forward((q, k, v, bias, mask, qseg, kvseg, seed), spec)[0]
 
     def attention_fwd(q, k, v, bias, mask, qseg, kvseg, seed, spec):
         args = (q, k, v, bias, mask, qseg, kvseg, seed)
-        out, lse = forward(args, spec)
-        return (out, lse), (args, out, lse, ManualAxes.of(q, k, v, bias))
+        (out, lse), axes = typed_forward(args, spec)
+        return (out, lse), (args, out, lse, axes)
 
     def attention_bwd(spec, residuals, cotangents):
         args, out, lse, axes = residuals
