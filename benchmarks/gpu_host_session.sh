@@ -23,8 +23,9 @@ echo "GPUs: $GPUS"
 
 if [ -n "${TEST_FILES-}" ]; then
   files=$(for f in $TEST_FILES; do echo "$REPO/tests/$f"; done)
-  # -v: one line per finished test in the log, which survives a kill (a junit file is written only at the end).
-  (cd /tmp && FORGEAX_TEST_GPUS=$GPUS timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -v -rfE \
+  # -v: one line per finished test in the log. At the limit pytest gets SIGINT (as from Ctrl-C) and
+  # still prints the failures so far and writes the junit file; SIGKILL 45 s later if it hangs.
+  (cd /tmp && FORGEAX_TEST_GPUS=$GPUS timeout -s INT -k 45 ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -v -rfE --tb=short \
      -n $((GPUS * ${TEST_WORKERS:-3})) --dist load --junitxml="$OUT/junit.xml" ${TEST_ARGS-} $files > "$OUT/tests.log" 2>&1
    echo "tests exit $?" >> "$OUT/tests.log")
   echo "tests: $(grep -c ' PASSED ' "$OUT/tests.log") passed, $(grep -c ' FAILED ' "$OUT/tests.log") failed, $(grep -c ' SKIPPED ' "$OUT/tests.log") skipped, $(grep -c ' ERROR ' "$OUT/tests.log") errors; $(tail -1 "$OUT/tests.log")"
