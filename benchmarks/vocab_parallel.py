@@ -4,7 +4,8 @@
 
 Logits (8192, 128256) bf16 are split over the vocabulary across n devices (shard_map, axis "v");
 the mean loss and its gradient must equal the single-device call (checked here, printed, and
-recorded); both are timed with the method of tools/bench.py (median of interleaved rounds).
+recorded) for each backend of the parallel call (--backend; the Triton and Mosaic GPU kernels
+compute per-row partials over their slice); all are timed with the method of tools/bench.py (median of interleaved rounds).
 The same for linear_cross_entropy with the weight split over V (x replicated).
 """
 
@@ -37,10 +38,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU check of the script)")
+    parser.add_argument("--devices", type=int, help="use the first N devices (default all)")
+    parser.add_argument("--backend", action="append",
+                        help="backend of the vocabulary-parallel calls (repeatable; 'default' = the selection; default: "
+                             "default, triton and the XLA one)")
     args = parser.parse_args()
-    devices = jax.devices()
+    devices = jax.devices()[: args.devices] if args.devices else jax.devices()
     n = len(devices)
-    mesh = jax.make_mesh((n,), ("v",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((n,), ("v",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     key = jax.random.key(0)
     tokens, hidden, vocab = (64, 32, 1000) if args.small else (8192, 4096, 128256)
     k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -66,13 +71,15 @@ def main() -> None:
     cases = {
         "cross_entropy": dict(
             single=jax.jit(jax.value_and_grad(ce(None), argnums=(0,))),
-            parallel=sharded(ce("xla", "v"), (P(None, "v"), P())),
+            parallel=lambda backend: sharded(ce(backend, "v"), (P(None, "v"), P())),
+            backends=args.backend or ["default", "triton", "xla"],
             args=(logits, targets),
             shard=(NamedSharding(mesh, P(None, "v")), NamedSharding(mesh, P())),
         ),
         "linear_cross_entropy": dict(
             single=jax.jit(jax.value_and_grad(lce(None), argnums=(0, 1))),
-            parallel=sharded(lce("xla_chunked", "v"), (P(), P(None, "v"), P())),
+            parallel=lambda backend: sharded(lce(backend, "v"), (P(), P(None, "v"), P())),
+            backends=args.backend or ["default", "triton", "pallas_gpu", "xla_chunked"],
             args=(x, w, targets),
             shard=(NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "v")), NamedSharding(mesh, P())),
         ),
@@ -81,17 +88,25 @@ def main() -> None:
         one = jax.device_put(case["args"], devices[0])
         many = tuple(jax.device_put(a, s) for a, s in zip(case["args"], case["shard"]))
         loss1, grads1 = case["single"](*one)
-        lossn, gradsn = case["parallel"](*many)
-        errors = {"loss_abs": float(abs(float(loss1) - float(lossn)))}
-        for i, (g1, gn) in enumerate(zip(grads1, gradsn)):
-            errors[f"grad{i}_rel"] = _rel(jax.device_get(gn), jax.device_get(g1))
-        times = interleaved({"single": (case["single"], one), "parallel": (case["parallel"], many)},
-                            calls=args.calls, rounds=args.reps, warmup=1)
-        row = {"op": name, "devices": n, "options": options, "loss_single": float(loss1), "loss_parallel": float(lossn), **errors,
-               "single_ms": statistics.median(times["single"]) * 1e3, "parallel_ms": statistics.median(times["parallel"]) * 1e3,
-               "single_backend": "default", "parallel_backend": "xla" if name == "cross_entropy" else "xla_chunked"}
-        print(json.dumps(row), flush=True)
-        report["results"].append(row)
+        fns, rows = {"single": (case["single"], one)}, {}
+        for backend in case["backends"]:
+            try:
+                parallel = case["parallel"](None if backend == "default" else backend)
+                lossn, gradsn = parallel(*many)
+            except Exception as e:  # noqa: BLE001 - a backend that cannot run here is reported, not fatal
+                print(f"{name} {backend}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            errors = {"loss_abs": float(abs(float(loss1) - float(lossn)))}
+            for i, (g1, gn) in enumerate(zip(grads1, gradsn)):
+                errors[f"grad{i}_rel"] = _rel(jax.device_get(gn), jax.device_get(g1))
+            fns[backend] = (parallel, many)
+            rows[backend] = {"op": name, "devices": n, "options": options, "loss_single": float(loss1),
+                             "loss_parallel": float(lossn), **errors, "single_backend": "default", "parallel_backend": backend}
+        times = interleaved(fns, calls=args.calls, rounds=args.reps, warmup=1)
+        for backend, row in rows.items():
+            row.update(single_ms=statistics.median(times["single"]) * 1e3, parallel_ms=statistics.median(times[backend]) * 1e3)
+            print(json.dumps(row), flush=True)
+            report["results"].append(row)
     if args.out != "-":
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
