@@ -98,7 +98,9 @@ def _heads(wanted: int, group: int) -> int:
 def shared_memory(q, v, spec: SparseAttentionSpec, config: TritonSparseAttentionConfig) -> dict[str, int]:
     """Bytes of shared memory each kernel asks for (Triton's pipeliner keeps `stages` copies of
     the tiles loaded in the loop, plus the tiles loaded once): forward, dQ, dK/dV; the fused
-    backward takes the larger of the last two. Fitted to Triton 3.6's sm_90 lowering at 16 bits."""
+    backward takes the larger of the last two. An estimate fitted to Triton 3.6's sm_90 lowering
+    (exact at block 64, head dim 128); tests/lowering_sparse_attention_test.py checks the sizes
+    Triton really asks for."""
     size = jnp.dtype(q.dtype).itemsize
     bs = spec.block_size
     hp, hvp = padded_dim(q.shape[3]), padded_dim(v.shape[3])
@@ -106,11 +108,11 @@ def shared_memory(q, v, spec: SparseAttentionSpec, config: TritonSparseAttention
     fwd_rows = _heads(config.heads, group) * bs
     dq_rows = _heads(config.dq_heads, group) * bs
     dkdv_rows = _heads(config.bwd_heads, group) * bs
+    twice = 2 if size == 4 else 1  # f32 (tf32x3 dots) keeps the q (and dout) tiles twice, K and V once more
     return {
-        "forward": size * (config.fwd_stages * bs * (hp + hvp) + fwd_rows * hp),
-        # f32 (tf32x3 dots) keeps the q / dout tiles twice and K / V once more
-        "dq": size * (config.bwd_stages * bs * (hp + hvp) + dq_rows * (hp + hvp) * (2 if size == 4 else 1)),
-        "dkdv": size * (bs * (hp + hvp) * (2 if size == 4 else 1) + dkdv_rows * ((config.bwd_stages - 1) * (hp + hvp) + bs))
+        "forward": size * (config.fwd_stages * bs * (hp + hvp) + fwd_rows * hp * twice),
+        "dq": size * (config.bwd_stages * bs * (hp + hvp) + dq_rows * (hp + hvp) * twice),
+        "dkdv": size * (bs * (hp + hvp) * twice + dkdv_rows * ((config.bwd_stages - 1) * (hp + hvp) + bs))
         + dkdv_rows * (config.bwd_stages - 1) * 8,
     }
 
@@ -162,7 +164,8 @@ def candidate_configs(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> t
     configs.append(base.replace(heads=base.heads * 2, fwd_warps=16))
     for warps in (4, 8):
         for stages in (2, 3, 4):
-            configs += [base.replace(fwd_warps=warps, fwd_stages=stages), base.replace(bwd_warps=warps, bwd_stages=stages)]
+            configs += [base.replace(fwd_warps=warps, fwd_stages=stages),
+                        base.replace(bwd_warps=warps, bwd_stages=stages)]
     return tuple(c for c in dict.fromkeys(configs) if _fits(q, v, spec, c))
 
 
