@@ -5,19 +5,20 @@ lhs `[M, K]` rows sorted by group, rhs `[G, K, N]`, group_sizes `[G]` int32.
   * `_forward`: out[r] = lhs[r] @ rhs[g(r)]. Work items, built in XLA from group_sizes with a
     static count (cdiv(M, block_m) + G): each group visits the aligned block_m-row blocks its
     rows overlap (a block that straddles a group boundary is visited once per group; empty
-    groups visit none; the rows past sum(group_sizes) are one more pseudo-group whose items
-    store zeros without touching rhs). One CTA (one warpgroup) per (item, column tile): a
-    `stages`-deep TMA ring of (block_m x block_k) lhs and (block_k x block_n) rhs[g] tiles
-    feeds wgmma into an f32 accumulator; the tile goes to SMEM and out by TMA, restricted to
-    the item's rows by a ladder of power-of-two row stores (a TMA box has a static size), so
-    the other group's rows of a shared block are never written. CTAs past the item count exit.
+    groups visit none; the rows past sum(group_sizes) are one more pseudo-group whose visits
+    read no rhs and give zeros). One CTA (one warpgroup) per (row block, column tile) runs its
+    block's visits in order, each a `stages`-deep TMA ring of (block_m x block_k) lhs and
+    (block_k x block_n) rhs[g] tiles feeding wgmma into an f32 accumulator. A visit that owns
+    the whole block writes the accumulator to the SMEM output tile; a visit of a shared block
+    keeps its group's rows only (the other rows masked to 0 in registers) and adds them into the
+    tile (rows are disjoint: the sum is exact). One TMA store of the whole tile at the end.
     The same kernel reads rhs `[G, N, K]` transposed for the backward's d lhs = dout @ rhs^T.
   * `_transposed`: tr[g] = lhs_g^T @ dout_g (`[G, K, N]`, d rhs). One CTA per (group, K tile,
     N tile) walks the aligned block_k-row blocks of the group's rows through the same kind of
     ring; the first and last block are masked in SMEM (rows of other groups zeroed in lhs)
     before their wgmma; an empty group stores zeros.
 
-CTAs run in bands of `group_m` row items so CTAs resident together share rhs columns in L2.
+CTAs run in bands of `group_m` row blocks so CTAs resident together share rhs columns in L2.
 Scope: bf16/f16 operands (f32 accumulation, any float output), K and N multiples of 64; M any
 (rows are padded to a block multiple when M is not one).
 """
@@ -25,7 +26,6 @@ Scope: bf16/f16 operands (f32 accumulation, any float output), K and N multiples
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
