@@ -15,6 +15,7 @@ _BACKENDS = {
     "xla": "forgeax.kernels.xla.newton_schulz:NEWTON_SCHULZ",
     "triton": "forgeax.kernels.triton.newton_schulz:NEWTON_SCHULZ",
     "pallas_tpu": "forgeax.kernels.pallas.tpu.newton_schulz:NEWTON_SCHULZ",
+    "pallas_gpu": "forgeax.kernels.pallas.gpu.newton_schulz:NEWTON_SCHULZ",
 }
 
 
@@ -68,7 +69,7 @@ def newton_schulz(
       steps: iterations, >= 1.
       coefficients: (a, b, c) of the quintic p(s) = a s + b s^3 + c s^5.
       eps: added to the Frobenius norm before dividing; > 0.
-      backend: None (best for this device), "xla", "triton", "pallas_tpu", or a user-registered name.
+      backend: None (best for this device), "xla", "triton", "pallas_gpu", "pallas_tpu", or a user-registered name.
       config: a kernel config of the chosen backend (its `config_type`), or None.
 
     Returns:

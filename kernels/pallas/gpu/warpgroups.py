@@ -27,7 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forgeax.core.runtime import gpu_sm_count
+from forgeax.core.runtime import gpu_sm_count, interpret_enabled
+from forgeax.kernels.pallas.gpu import interpret_params
+from forgeax.kernels.pallas.interpret import without_effects
 
 F32 = jnp.float32
 ROWS = 64  # rows per consumer warpgroup (the wgmma M)
@@ -358,6 +360,41 @@ def warp_specialized(wg, schedule: Schedule, table_ref, consumer, producer):
     def _producer():
         plgpu.set_max_registers(REGS[1], action="decrease")
         schedule.run(table_ref, producer())
+
+
+def k_block(step, size: int):
+    """The `size`-wide K slice of ring step `step` (a Python int or a traced index)."""
+    return pl.ds(step * size if isinstance(step, int) else pl.multiple_of(step * size, size), size)
+
+
+def tma_wgmma_loop(fetch, issue, steps: int, stages: int, loaded):
+    """The K loop of a one-warpgroup matmul over a `stages`-deep TMA ring: fetch(step, slot)
+    issues the TMA copies of K step `step` onto `loaded[slot]`, issue(slot) the wgmmas that read
+    the slot. The prologue fills the ring; `wgmma_wait(1)` after step k's wgmmas retires step
+    k-1's, whose slot is then refilled with step k-1+stages (refilling the slot a wgmma still
+    reads is a race only the GPU shows). The caller's `acc[...]` waits for the last wgmmas."""
+    for s in range(min(stages, steps)):
+        fetch(s, s)
+
+    def step(k, _):
+        slot = lax.rem(k, stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        issue(slot)
+        plgpu.wgmma_wait(1)
+
+        @pl.when((k >= 1) & (k - 1 + stages < steps))
+        def _():
+            fetch(k - 1 + stages, lax.rem(k - 1, stages))
+
+    lax.fori_loop(0, steps, step, None)
+
+
+def one_warpgroup_kernel(kernel, scratch, out_type, grid, grid_names, **params):
+    """plgpu.kernel of a one-warpgroup CTA, in the Mosaic GPU interpreter under interpret mode
+    (its effects hidden: they would block jax.checkpoint). params: plgpu.CompilerParams fields."""
+    call = plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
+                        compiler_params=plgpu.CompilerParams(**params), interpret=interpret_params())
+    return without_effects(call, out_type) if interpret_enabled() else call
 
 
 def zeros(shape):
