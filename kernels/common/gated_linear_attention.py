@@ -104,28 +104,46 @@ def chunk_cumsum(g: jax.Array, chunk: int) -> jax.Array:
     return b.reshape(g.shape)
 
 
+def _later_chunks(totals: jax.Array, starts: jax.Array) -> jax.Array:
+    """after[:, n] = the sum of totals[:, m] over the later chunks m > n of chunk n's sequence
+    (a sequence starts at chunk m where starts[:, m] >= 0): a segmented reverse scan over the
+    NC chunks, as log-depth array ops (no sequential loop). totals: [R, NC, ...] f32."""
+    heads = starts >= 0
+    # fresh[m]: chunk m+1 starts another sequence (or m is the last chunk): m's suffix stops at m.
+    fresh = jnp.concatenate([heads[:, 1:], jnp.ones_like(heads[:, :1])], axis=1)
+    fresh = jnp.broadcast_to(fresh.reshape(fresh.shape + (1,) * (totals.ndim - 2)), totals.shape)
+
+    def combine(a, b):  # a: the later chunks' suffix, b: an earlier chunk's
+        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
+
+    _, suffix = jax.lax.associative_scan(combine, (jnp.flip(fresh, 1), jnp.flip(totals, 1)), axis=1)
+    suffix = jnp.flip(suffix, 1)  # suffix[m] = totals[m] + the later chunks of m's sequence
+    shifted = jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1)
+    return jnp.where(fresh, 0.0, shifted)
+
+
+def _with_later_chunks(within: jax.Array, starts: jax.Array, chunk: int) -> jax.Array:
+    """within: [R, Tp, N, K] reverse sums inside each chunk -> reverse sums inside each sequence."""
+    r, tp = within.shape[:2]
+    blocks = within.reshape(r, tp // chunk, chunk, *within.shape[2:])
+    return (blocks + _later_chunks(blocks[:, :, 0], starts)[:, :, None]).reshape(within.shape)
+
+
 def gate_gradient(db: jax.Array, starts: jax.Array, chunk: int) -> jax.Array:
     """dg from db = d loss / d b (b = the gates' running sum within each sequence): the reverse
     cumulative sum of db within each sequence of the chunk layout. db: [R, Tp, N, K] f32."""
     r, tp = db.shape[:2]
-    nc = tp // chunk
-    blocks = db.reshape(r, nc, chunk, *db.shape[2:])
+    blocks = db.reshape(r, tp // chunk, chunk, *db.shape[2:])
     within = jnp.flip(jnp.cumsum(jnp.flip(blocks, 2), axis=2), 2)
-    totals = within[:, :, 0]  # [R, NC, N, K]
-    reset = starts >= 0
+    return _with_later_chunks(within.reshape(db.shape), starts, chunk)
 
-    # after[n]: the sum over the later chunks of chunk n's sequence (a reverse scan over the
-    # NC = Tp / C chunks that restarts where a chunk starts a sequence).
-    def step(carry, xs):
-        total, starts_here = xs
-        out = carry
-        carry = jnp.where(starts_here, 0.0, carry + total)
-        return carry, out
 
-    _, after = jax.lax.scan(step, jnp.zeros_like(totals[:, 0]),
-                            (jnp.moveaxis(totals, 1, 0), jnp.moveaxis(reset, 1, 0)[..., None, None]), reverse=True)
-    after = jnp.moveaxis(after, 0, 1)
-    return (within + after[:, :, None]).reshape(db.shape)
+def _final_term(final, dfinal, ends) -> jax.Array:
+    """sum_v dfinal * final of the sequence ending at each chunk's end, else 0: [R, NC, N, K]
+    (the final state is exp(b_T) times the rest: its part of d loss / d b_T)."""
+    ends_here = ends[:, 1:]
+    term = jnp.sum(dfinal * final, axis=-1)[jnp.maximum(ends_here, 0)]
+    return jnp.where((ends_here >= 0)[..., None, None], term, 0.0)
 
 
 def gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk: int) -> jax.Array:
@@ -133,12 +151,19 @@ def gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk: int) ->
     d loss / d b_t = q_t dq_t - k_t dk_t, plus, at each sequence's end, sum_v dfinal * final
     (the final state is exp(b_T) times the rest), reverse-summed within each sequence."""
     db = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk
-    ends_here = ends[:, 1:]
-    term = jnp.sum(dfinal * final, axis=-1)[jnp.maximum(ends_here, 0)]  # [R, NC, N, K]
-    term = jnp.where((ends_here >= 0)[..., None, None], term, 0.0)
     r, tp = q.shape[:2]
+    term = _final_term(final, dfinal, ends)
     db = db.reshape(r, tp // chunk, chunk, *db.shape[2:]).at[:, :, -1].add(term).reshape(db.shape)
     return gate_gradient(db, starts, chunk)
+
+
+def gate_gradient_from_within(within, final, dfinal, starts, ends, chunk: int) -> jax.Array:
+    """gate_gradient_from, given within = the reverse sums of q dq - k dk inside each chunk
+    ([R, Tp, N, K] f32, as a kernel computes them): adds the final-state term (to every row of
+    the chunk where a sequence ends) and the later chunks' sums."""
+    r, tp = within.shape[:2]
+    blocks = within.reshape(r, tp // chunk, chunk, *within.shape[2:]) + _final_term(final, dfinal, ends)[:, :, None]
+    return _with_later_chunks(blocks.reshape(within.shape), starts, chunk)
 
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

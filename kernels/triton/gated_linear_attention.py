@@ -10,15 +10,18 @@ Forward, two launches:
     final state of each sequence that ends, loading initial states where a sequence starts;
     h_{c+1} = exp(B_c) h_c + (k * exp(B_c - b))^T v   (tl.dot);
   * output: one program per (V block, chunk, row x head), whole-chunk tiles:
-    o = scale [ (q e^{b}) h_c + A v ], A[t, s] = sum_k q_t k_s e^{b_t - b_s} (s <= t). A is
-    built in registers from 16-row blocks: an off-diagonal block row i as one tl.dot of
-    (q e^{b - r_i}) and (k e^{r_i - b}) with r_i = b at block i's first row (every exponent
-    <= 0, stable for any g <= 0), the diagonal blocks elementwise over K. The program of the
-    first V block stores A for the backward.
+    o = scale [ (q e^{b}) h_c + A v ], A[t, s] = sum_k q_t k_s e^{b_t - b_s} (s <= t), built in
+    registers per K block. Where |b| <= GATE_RANGE over the tile (e^{+-b} and the masked
+    entries stay finite in the dot's input dtype) A = (q e^{b}) (k e^{-b})^T, one tl.dot.
+    Otherwise (strongly negative gates) from 16-row blocks: an off-diagonal block row i as one
+    tl.dot of (q e^{b - r_i}) and (k e^{r_i - b}) with r_i = b at block i's first row (every
+    exponent <= 0, stable for any g <= 0), the diagonal blocks elementwise over K. The program
+    of the first V block stores A for the backward.
 Backward, three launches (kernels/triton/gated_linear_attention_backward.py): dH (the state
 gradients, chunks in reverse, d initial states where a sequence starts), dq/dk per (chunk,
 K block), dv per (chunk, V block). dg is q dq - k dk reverse-summed within each sequence
-(XLA), plus the final-state term at each sequence's end.
+(inside a chunk by the dq/dk kernel, across chunks by XLA), plus the final-state term at each
+sequence's end.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.kernels.common.gated_linear_attention import (
-    GLASpec, chunk_cumsum, from_layout, gate_gradient_from, kernel_supports, lightning_gates, make_layout, to_layout)
+    GLASpec, chunk_cumsum, from_layout, gate_gradient_from_within, kernel_supports, lightning_gates, make_layout, to_layout)
 from forgeax.kernels.triton import gated_linear_attention_backward as backward
 from forgeax.kernels.triton.attention_tiles import dot
 from forgeax.kernels.triton.gated_linear_attention_backward import load_rows, pow2_at_least, state_tile
@@ -74,7 +77,7 @@ def _states_forward(K_, V_, B_, INIT, STARTS, ENDS, H, FINAL,
 def _output_forward(Q_, K_, V_, B_, H, O, A_,
                     N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, NC: tl.constexpr,
                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
-                    PRECISION: tl.constexpr, STORE_A: tl.constexpr):
+                    PRECISION: tl.constexpr, GATE_RANGE: tl.constexpr, STORE_A: tl.constexpr):
     c = tl.program_id(1)
     r = (tl.program_id(2) // N).to(tl.int64)
     n = tl.program_id(2) % N
@@ -96,21 +99,27 @@ def _output_forward(Q_, K_, V_, B_, H, O, A_,
         k = load_rows(K_, rows, rk, KD)
         b = load_rows(B_, rows, rk, KD)
         h = tl.load(H + state + rk[:, None] * VD + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-        acc += dot((q * tl.exp(b)).to(dt), h.to(dt), PRECISION)
-        for i in tl.static_range(1, C // 16):
-            ref = tl.load(B_ + (base + i * 16 * N) * KD + rk, mask=mk, other=0.0)  # b at block i's first row
-            qi = q * tl.exp(tl.where((blk == i)[:, None], b - ref[None, :], float("-inf")))
-            ki = k * tl.exp(tl.where((blk < i)[:, None], ref[None, :] - b, float("-inf")))
-            scores += dot(qi.to(dt), tl.trans(ki.to(dt)), PRECISION)
-        # Diagonal blocks: row t meets row u = 16 blk(t) + s of its own block, u <= t.
-        for s in range(16):
-            u = blk * 16 + s
-            gathered = base + u * N
-            ku = load_rows(K_, gathered, rk, KD)
-            bu = load_rows(B_, gathered, rk, KD)
-            before = u <= t
-            col = tl.sum(q * ku * tl.exp(tl.where(before[:, None], b - bu, float("-inf"))), axis=1)
-            scores += tl.where(t[None, :] == u[:, None], col[:, None], 0.0)
+        qe = q * tl.exp(b)
+        acc += dot(qe.to(dt), h.to(dt), PRECISION)
+        if tl.max(tl.abs(b)) <= GATE_RANGE:
+            # Gates that stay in range: A = (q e^b)(k e^-b)^T, one product (masked below).
+            scores += dot(qe.to(dt), tl.trans((k * tl.exp(-b)).to(dt)), PRECISION)
+        else:
+            for i in tl.static_range(1, C // 16):
+                ref = tl.load(B_ + (base + i * 16 * N) * KD + rk, mask=mk, other=0.0)  # b at block i's first row
+                qi = q * tl.exp(tl.where((blk == i)[:, None], b - ref[None, :], float("-inf")))
+                ki = k * tl.exp(tl.where((blk < i)[:, None], ref[None, :] - b, float("-inf")))
+                scores += dot(qi.to(dt), tl.trans(ki.to(dt)), PRECISION)
+            # Diagonal blocks: row t meets row u = 16 blk(t) + s of its own block, u <= t.
+            for s in range(16):
+                u = blk * 16 + s
+                gathered = base + u * N
+                ku = load_rows(K_, gathered, rk, KD)
+                bu = load_rows(B_, gathered, rk, KD)
+                before = u <= t
+                col = tl.sum(q * ku * tl.exp(tl.where(before[:, None], b - bu, float("-inf"))), axis=1)
+                scores += tl.where(t[None, :] == u[:, None], col[:, None], 0.0)
+    scores = tl.where(t[:, None] >= t[None, :], scores, 0.0)
     if STORE_A:
         if tl.program_id(0) == 0:
             tl.store(A_ + rows[:, None] * C + t[None, :], scores.to(A_.dtype.element_ty))
@@ -130,7 +139,7 @@ class GLATritonConfig(KernelConfig):
     software pipelining depth of every kernel's loop."""
 
     block_state: int = 64
-    block_k: int = 64
+    block_k: int = 32
     block_v: int = 128
     num_warps: int = 8
     state_warps: int = 4
@@ -151,20 +160,21 @@ class GLATritonConfig(KernelConfig):
 
 def heuristic_config(q, k, v, *args, spec: GLASpec | None = None, **kwargs) -> GLATritonConfig:
     """H100, K = V = 128, chunk 64: 64x64 state pieces (4 programs per head keep the SMs busy
-    during the sequential walk), a whole 128-wide V block (A built once per chunk), K in 64-wide
-    steps, 8 warps for the [64, 128] f32 accumulators."""
+    during the sequential walk), a whole 128-wide V block (A built once per chunk), K in 32-wide
+    steps, 8 warps for the [64, 128] f32 accumulators (ptxas for sm_90: no spills; a 64-wide
+    K block spills in dq/dk)."""
     del k, args, kwargs
     kd, vd = pow2_at_least(max(q.shape[3], 16)), pow2_at_least(max(v.shape[3], 16))
     chunk = spec.chunk_size if spec is not None else 64
     block_v = min(128, vd)
-    return GLATritonConfig(block_state=min(64, max(kd, vd)), block_k=min(64, kd), block_v=block_v,
+    return GLATritonConfig(block_state=min(64, max(kd, vd)), block_k=min(32, kd), block_v=block_v,
                            num_warps=8 if chunk * block_v >= 64 * 128 else 4)
 
 
 def candidate_configs(q, k, v, *args, **kwargs) -> list[GLATritonConfig]:
     base = heuristic_config(q, k, v, *args, **kwargs)
     kd, vd = pow2_at_least(max(q.shape[3], 16)), pow2_at_least(max(v.shape[3], 16))
-    changes = [{}, {"num_warps": 4}, {"num_stages": 1}, {"num_stages": 3}, {"block_k": min(kd, 128)},
+    changes = [{}, {"num_warps": 4}, {"num_stages": 1}, {"num_stages": 3}, {"block_k": min(kd, base.block_k * 2)},
                {"block_k": max(16, base.block_k // 2)}, {"block_v": max(16, base.block_v // 2)},
                {"block_state": min(128, max(kd, vd)), "state_warps": 8}, {"block_state": 32}, {"state_warps": 8}]
     configs: list[GLATritonConfig] = []
@@ -196,7 +206,7 @@ def _forward(q, k, v, b, init, starts, ends, *, scale: float, chunk: int, config
         q, k, v, b, h, kernel=_output_forward,
         out_shape=(jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(a_shape, q.dtype)),
         grid=(triton.cdiv(vd, bv), nc, r * n), num_warps=config.num_warps, num_stages=config.num_stages,
-        BK=bk, BV=bv, SCALE=scale, STORE_A=store_a, **dims)
+        BK=bk, BV=bv, SCALE=scale, GATE_RANGE=backward.gate_range(q.dtype), STORE_A=store_a, **dims)
     return o, h, final, a
 
 
@@ -218,11 +228,10 @@ def _differentiable(scale: float, chunk: int, config: GLATritonConfig):
     def run_bwd(residuals, cotangents):
         q, k, v, g, b, init, starts, ends, h, a, final = residuals
         do, dfinal = cotangents
-        dq, dk, dv, dinit = backward.gradients(q, k, v, b, starts, ends, h, a, do.astype(q.dtype), dfinal,
-                                               seqs=init.shape[0], scale=scale, chunk=chunk, config=config)
-        dg = gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk)
-        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype), dinit.astype(init.dtype),
-                None, None)
+        dq, dk, dv, dinit, within = backward.gradients(q, k, v, b, starts, ends, h, a, do.astype(q.dtype), dfinal,
+                                                       seqs=init.shape[0], scale=scale, chunk=chunk, config=config)
+        dg = gate_gradient_from_within(within, final, dfinal, starts, ends, chunk)
+        return dq, dk, dv, dg.astype(g.dtype), dinit.astype(init.dtype), None, None
 
     run.defvjp(run_fwd, run_bwd)
     return run

@@ -11,10 +11,13 @@ the forward) and dA[t, s] = scale do_t . v_s (s <= t in a chunk), per chunk of a
 
 Three launches: the reverse state walk (one program per [K block, V block] of a head's state),
 dq/dk per (chunk, K block) and dv per (chunk, V block), on whole-chunk tiles. The intra-chunk
-sums split the chunk into 16-row blocks: an off-diagonal block pair is one tl.dot with the
-gates taken relative to a boundary row between them (every exponent <= 0), the diagonal
-blocks are elementwise over K, one gathered row offset at a time. The d initial states are the
-state gradients where a sequence starts; dq and dk come back in f32 (dg is computed from them).
+sums are one tl.dot each with e^{b_t - b_s} = e^{b_t} e^{-b_s} where |b| <= gate_range(dtype)
+over the tile; otherwise (strongly negative gates) they split the chunk into 16-row blocks:
+an off-diagonal block pair is one tl.dot with the gates taken relative to a boundary row
+between them (every exponent <= 0), the diagonal blocks are elementwise over K, one gathered
+row offset at a time. The d initial states are the
+state gradients where a sequence starts. dg = the reverse sum over the sequence of q dq - k dk:
+the dq/dk kernel stores its within-chunk part, XLA adds the later chunks' sums.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ def dot_mode(dtype) -> int:
     if interpret_enabled():
         return 2
     return 1 if jnp.dtype(dtype) == jnp.float32 else 0
+
+
+def gate_range(dtype) -> float:
+    """The largest |b| for which the kernels take e^{b_t - b_s} as e^{b_t} e^{-b_s} (operands
+    q e^{b}, k e^{-b} of a tl.dot in the inputs' dtype): f16's range (max 65504, about e^11)
+    allows e^6 times |k| up to ~160; bf16 / f32 (max about e^88) e^30 with a wide margin."""
+    return 6.0 if jnp.dtype(dtype) == jnp.float16 else 30.0
 
 
 def pow2_at_least(n: int) -> int:
@@ -93,14 +103,51 @@ def _states_backward(Q_, B_, DO, STARTS, ENDS, DFINAL, DH, DINIT,
 
 
 @triton.jit
-def _dqk_backward(Q_, K_, V_, B_, DO, H, DH, DQ, DK,
+def _dqk_exact(Q_, K_, B_, q, k, b, da, dq, dk, base, rk, N: tl.constexpr, KD: tl.constexpr, C: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """dq, dk plus the intra-chunk terms for any gates g <= 0, every exponent <= 0."""
+    t = tl.arange(0, C)
+    blk = t // 16
+    mk = rk < KD
+    dt = Q_.dtype.element_ty
+    # Off-diagonal 16-row blocks, relative to the row between them.
+    for i in tl.static_range(1, C // 16):
+        ref = tl.load(B_ + (base + i * 16 * N) * KD + rk, mask=mk, other=0.0)  # b at block i's first row
+        ki = k * tl.exp(tl.where((blk < i)[:, None], ref[None, :] - b, float("-inf")))
+        dai = tl.where((blk == i)[:, None], da, 0.0)
+        dq += tl.exp(tl.where((blk == i)[:, None], b - ref[None, :], float("-inf"))) * dot(dai.to(dt), ki.to(dt), PRECISION)
+    for j in tl.static_range(0, C // 16 - 1):
+        ref = tl.load(B_ + (base + (j * 16 + 15) * N) * KD + rk, mask=mk, other=0.0)  # b at block j's last row
+        qj = q * tl.exp(tl.where((blk > j)[:, None], b - ref[None, :], float("-inf")))
+        daj = tl.where((blk == j)[None, :], da, 0.0)
+        dk += tl.exp(tl.where((blk == j)[:, None], ref[None, :] - b, float("-inf"))) * dot(tl.trans(daj).to(dt), qj.to(dt), PRECISION)
+    # Diagonal blocks: for each offset s, row t meets row u = 16 blk(t) + s of its own block
+    # (as the key of dq_t when u <= t, as the query of dk_t when u >= t).
+    for s in range(16):
+        u = blk * 16 + s
+        gathered = base + u * N
+        qu = load_rows(Q_, gathered, rk, KD)
+        ku = load_rows(K_, gathered, rk, KD)
+        bu = load_rows(B_, gathered, rk, KD)
+        before = (u <= t)[:, None]
+        after = (u >= t)[:, None]
+        decay = tl.exp(tl.where(before, b - bu, bu - b))
+        da_tu = tl.sum(tl.where(t[None, :] == u[:, None], da, 0.0), axis=1)  # dA[t, u]
+        da_ut = tl.sum(tl.where(t[:, None] == u[None, :], da, 0.0), axis=0)  # dA[u, t]
+        dq += tl.where(before, da_tu[:, None] * ku * decay, 0.0)
+        dk += tl.where(after, da_ut[:, None] * qu * decay, 0.0)
+    return dq, dk
+
+
+@triton.jit
+def _dqk_backward(Q_, K_, V_, B_, DO, H, DH, DQ, DK, DG,
                   N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, NC: tl.constexpr,
-                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr):
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                  GATE_RANGE: tl.constexpr):
     c = tl.program_id(1)
     r = (tl.program_id(2) // N).to(tl.int64)
     n = tl.program_id(2) % N
     t = tl.arange(0, C)
-    blk = t // 16
     base = (r * TP + c * C) * N + n
     rows = base + t * N
     rk = tl.program_id(0) * BK + tl.arange(0, BK)
@@ -127,37 +174,21 @@ def _dqk_backward(Q_, K_, V_, B_, DO, H, DH, DQ, DK,
         dq += dot(do, tl.trans(h), PRECISION)
         dk += dot(v, tl.trans(dh), PRECISION)
     da = tl.where(t[:, None] >= t[None, :], SCALE * da, 0.0)
-    dq = SCALE * tl.exp(b) * dq
+    eb = tl.exp(b)
+    dq = SCALE * eb * dq
     dk = tl.exp(last[None, :] - b) * dk
-    # Off-diagonal 16-row blocks, relative to the row between them (exponents <= 0).
-    for i in tl.static_range(1, C // 16):
-        ref = tl.load(B_ + (base + i * 16 * N) * KD + rk, mask=mk, other=0.0)  # b at block i's first row
-        ki = k * tl.exp(tl.where((blk < i)[:, None], ref[None, :] - b, float("-inf")))
-        dai = tl.where((blk == i)[:, None], da, 0.0)
-        dq += tl.exp(tl.where((blk == i)[:, None], b - ref[None, :], float("-inf"))) * dot(dai.to(dt), ki.to(dt), PRECISION)
-    for j in tl.static_range(0, C // 16 - 1):
-        ref = tl.load(B_ + (base + (j * 16 + 15) * N) * KD + rk, mask=mk, other=0.0)  # b at block j's last row
-        qj = q * tl.exp(tl.where((blk > j)[:, None], b - ref[None, :], float("-inf")))
-        daj = tl.where((blk == j)[None, :], da, 0.0)
-        dk += tl.exp(tl.where((blk == j)[:, None], ref[None, :] - b, float("-inf"))) * dot(tl.trans(daj).to(dt), qj.to(dt), PRECISION)
-    # Diagonal blocks: for each offset s, row t meets row u = 16 blk(t) + s of its own block
-    # (as the key of dq_t when u <= t, as the query of dk_t when u >= t).
-    for s in range(16):
-        u = blk * 16 + s
-        gathered = base + u * N
-        qu = load_rows(Q_, gathered, rk, KD)
-        ku = load_rows(K_, gathered, rk, KD)
-        bu = load_rows(B_, gathered, rk, KD)
-        before = (u <= t)[:, None]
-        after = (u >= t)[:, None]
-        decay = tl.exp(tl.where(before, b - bu, bu - b))
-        da_tu = tl.sum(tl.where(t[None, :] == u[:, None], da, 0.0), axis=1)  # dA[t, u]
-        da_ut = tl.sum(tl.where(t[:, None] == u[None, :], da, 0.0), axis=0)  # dA[u, t]
-        dq += tl.where(before, da_tu[:, None] * ku * decay, 0.0)
-        dk += tl.where(after, da_ut[:, None] * qu * decay, 0.0)
+    if tl.max(tl.abs(b)) <= GATE_RANGE:
+        # Gates that stay in range: e^{b_t - b_s} = e^{b_t} e^{-b_s}, one product each.
+        enb = tl.exp(-b)
+        dq += eb * dot(da.to(dt), (k * enb).to(dt), PRECISION)
+        dk += enb * dot(tl.trans(da).to(dt), (q * eb).to(dt), PRECISION)
+    else:
+        dq, dk = _dqk_exact(Q_, K_, B_, q, k, b, da, dq, dk, base, rk, N, KD, C, PRECISION)
     out = rows[:, None] * KD + rk[None, :]
-    tl.store(DQ + out, dq, mask=mk[None, :])
-    tl.store(DK + out, dk, mask=mk[None, :])
+    tl.store(DQ + out, dq.to(DQ.dtype.element_ty), mask=mk[None, :])
+    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=mk[None, :])
+    # d loss / d b_t = q_t dq_t - k_t dk_t, reverse-summed inside the chunk (XLA adds the later chunks').
+    tl.store(DG + out, tl.cumsum(q * dq - k * dk, axis=0, reverse=True), mask=mk[None, :])
 
 
 @triton.jit
@@ -185,12 +216,13 @@ def _dv_backward(K_, B_, DO, DH, A_, DV,
         dh = tl.load(DH + ((r * N + n) * NC + c) * KD * VD + rk[:, None] * VD + rv[None, :],
                      mask=mk[:, None] & mv[None, :], other=0.0)
         dv += dot((k * tl.exp(last[None, :] - b)).to(dt), dh.to(dt), PRECISION)
-    tl.store(DV + rows[:, None] * VD + rv[None, :], dv, mask=mv[None, :])
+    tl.store(DV + rows[:, None] * VD + rv[None, :], dv.to(DV.dtype.element_ty), mask=mv[None, :])
 
 
 def gradients(q, k, v, b, starts, ends, h, a, do, dfinal, *, seqs: int, scale: float, chunk: int, config):
-    """(dq f32, dk f32, dv f32, d initial states f32) on the chunk layout; h the forward's chunk
-    states, a its intra-chunk scores [R, Tp, N, C]."""
+    """(dq, dk, dv in the inputs' dtype, d initial states f32, the within-chunk reverse sums of
+    q dq - k dk f32) on the chunk layout; h the forward's chunk states, a its intra-chunk
+    scores [R, Tp, N, C]."""
     r, tp, n, kd = q.shape
     vd, nc = v.shape[3], tp // chunk
     dims = dict(N=n, TP=tp, KD=kd, VD=vd, NC=nc, C=chunk, SCALE=scale, PRECISION=dot_mode(q.dtype))
@@ -205,16 +237,17 @@ def gradients(q, k, v, b, starts, ends, h, a, do, dfinal, *, seqs: int, scale: f
     dinit = jnp.where(written[:, None, None, None], dinit, 0.0)
     bk = min(config.block_k, pow2_at_least(max(kd, 16)))
     bv = min(config.block_v, pow2_at_least(max(vd, 16)))
-    dq, dk = triton_call(
+    dq, dk, dg = triton_call(
         q, k, v, b, do, h, dh, kernel=_dqk_backward,
-        out_shape=(jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape, jnp.float32)),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(q.shape, jnp.float32)),
         grid=(triton.cdiv(kd, bk), nc, r * n), num_warps=config.num_warps, num_stages=config.num_stages,
-        BK=bk, BV=bv, **dims)
+        BK=bk, BV=bv, GATE_RANGE=gate_range(q.dtype), **dims)
     dv = triton_call(
-        k, b, do, dh, a, kernel=_dv_backward, out_shape=jax.ShapeDtypeStruct(v.shape, jnp.float32),
+        k, b, do, dh, a, kernel=_dv_backward, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
         grid=(triton.cdiv(vd, bv), nc, r * n), num_warps=config.num_warps, num_stages=config.num_stages,
         BK=bk, BV=bv, **dims)
-    return dq, dk, dv, dinit
+    return dq, dk, dv, dinit, dg
 
 
 assert SUB_CHUNK == 16  # the kernels' diagonal blocks (t // 16) are SUB_CHUNK rows
