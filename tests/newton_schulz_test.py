@@ -51,6 +51,11 @@ def _small_tile_configs() -> dict:
         from forgeax.kernels.pallas.tpu.newton_schulz import NewtonSchulzTpuConfig  # noqa: PLC0415
 
         configs["pallas_tpu"] = [NewtonSchulzTpuConfig(block=128, block_k=128)]
+    if "pallas_gpu" in BACKENDS:
+        from forgeax.kernels.pallas.gpu.newton_schulz import NewtonSchulzPallasGpuConfig  # noqa: PLC0415
+
+        configs["pallas_gpu"] = [NewtonSchulzPallasGpuConfig(block=64, update_block_m=64, update_block_n=64, stages=2,
+                                                             group_m=2)]
     return configs
 
 
@@ -59,6 +64,13 @@ SMALL_TILES = _small_tile_configs()
 
 def _reference(g, *, steps=5, coefficients=NewtonSchulzSpec.coefficients, eps=1e-7):
     return xla_ns.newton_schulz(g, spec=NewtonSchulzSpec(steps=steps, coefficients=tuple(coefficients), eps=eps))
+
+
+def _skip_if_refused(backend, g):
+    """Backends that refuse some shapes (pallas_gpu: sides multiples of 64) skip these direct calls."""
+    reason = ops.OPS["newton_schulz"].implementation(backend).supports(g, spec=NewtonSchulzSpec())
+    if reason is not None:
+        pytest.skip(f"{backend} refuses: {reason}")
 
 
 def _case(shape, dtype, seed, config=None, **kwargs):
@@ -81,6 +93,30 @@ def test_matches_reference_iteration(backend, shape, dtype):
     conformance.assert_conforms(_case(shape, DTYPES[dtype], seed=hash((shape, dtype)) % 1000), backend, tolerance=TOLERANCE)
 
 
+# Sides that are multiples of 64 (128): what pallas_gpu runs, at sizes with many tiles per side.
+# GPU only (the interpreter would take minutes); the Triton and XLA backends run them too.
+TILE_SHAPES = [((256, 512), "f32"), ((2, 384, 1024), "bf16"), ((1024, 192), "f16"), ((1024, 2048), "bf16")]
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="tile-multiple shapes at GPU sizes: the GPU run")
+@pytest.mark.parametrize("case", TILE_SHAPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tile_multiple_shapes_match_reference(backend, case):
+    shape, dtype = case
+    conformance.assert_conforms(_case(shape, DTYPES[dtype], seed=hash(case) % 1000), backend, tolerance=TOLERANCE)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="every candidate config on the GPU")
+def test_pallas_gpu_candidate_configs_match_reference():
+    if "pallas_gpu" not in BACKENDS:
+        pytest.skip("pallas_gpu is not runnable here")
+    impl = ops.OPS["newton_schulz"].implementation("pallas_gpu")
+    g = jnp.zeros((512, 1024), jnp.bfloat16)
+    for i, config in enumerate(impl.candidate_configs(g, spec=NewtonSchulzSpec())):
+        conformance.assert_conforms(_case(g.shape, jnp.bfloat16, seed=20 + i, config=config), "pallas_gpu",
+                                    tolerance=TOLERANCE)
+
+
 @pytest.mark.parametrize("options", [{"steps": 1}, {"steps": 3, "coefficients": (1.5, -0.5, 0.0), "eps": 1e-2}], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_options_match_reference(backend, options):
@@ -89,10 +125,14 @@ def test_options_match_reference(backend, options):
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b in SMALL_TILES])
 def test_small_tiles_with_mirrored_gram_tiles_match_reference(backend):
-    # 3 Gram tiles per side (TPU tiles are 128 wide); the Triton update kernel's N tail is masked.
-    shape = (2, 150, 70) if backend == "pallas_tpu" else (2, 40, 72)
+    # 3 Gram tiles per side (TPU tiles are 128 wide); the Triton update kernel's N tail is masked;
+    # Mosaic GPU tiles are 64 wide and its sides multiples of 64 (tall: transposed inside).
+    shape = {"pallas_tpu": (2, 150, 70), "pallas_gpu": (2, 192, 128)}.get(backend, (2, 40, 72))
+    # The Mosaic GPU interpreter pays per CTA and ring step: 2 iterations there (each kernel twice).
+    options = {"steps": 2} if backend == "pallas_gpu" and interface.current_platform() == "cpu" else {}
     for i, config in enumerate(SMALL_TILES[backend]):
-        conformance.assert_conforms(_case(shape, jnp.bfloat16, seed=11 + i, config=config), backend, tolerance=TOLERANCE)
+        case = _case(shape, jnp.bfloat16, seed=11 + i, config=config, **options)
+        conformance.assert_conforms(case, backend, tolerance=TOLERANCE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -101,6 +141,7 @@ def test_singular_values_lie_in_the_quintic_band(backend):
     g = conformance.random_array(jax.random.key(3), (2, 48, 96), jnp.float32)
     s_in = np.linalg.svd(np.asarray(g, np.float64), compute_uv=False)
     assert s_in.min() / np.linalg.norm(np.asarray(g[0])) > 0.01
+    _skip_if_refused(backend, g)
     out = jax.jit(lambda g: ops.newton_schulz(g, backend=backend))(g)
     s = np.linalg.svd(np.asarray(out, np.float64), compute_uv=False)
     assert BAND[0] <= s.min() and s.max() <= BAND[1], f"{backend}: singular values in [{s.min():.4f}, {s.max():.4f}], not in {BAND}"
@@ -115,6 +156,7 @@ _SAME_COMPUTATION = 1e-6 if interface.current_platform() == "cpu" else 5e-3
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tall_matrix_is_the_transpose_of_the_wide_one(backend):
     g = conformance.random_array(jax.random.key(5), (3, 24, 56), jnp.bfloat16)
+    _skip_if_refused(backend, g)
     run = jax.jit(lambda g: ops.newton_schulz(g, backend=backend))
     wide, tall = run(g), run(jnp.swapaxes(g, -1, -2))
     assert tall.shape == (3, 56, 24)
@@ -124,6 +166,7 @@ def test_tall_matrix_is_the_transpose_of_the_wide_one(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_and_vmap_equal_one_matrix_at_a_time(backend):
     g = conformance.random_array(jax.random.key(6), (2, 3, 20, 36), jnp.float32)
+    _skip_if_refused(backend, g)
     run = jax.jit(lambda g: ops.newton_schulz(g, backend=backend))
     batched = np.asarray(run(g))
     mapped = np.asarray(jax.jit(jax.vmap(jax.vmap(lambda m: ops.newton_schulz(m, backend=backend))))(g))
@@ -160,5 +203,6 @@ def test_bad_inputs_name_the_argument():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_matrix_gives_zeros_not_nan(backend):
+    _skip_if_refused(backend, jnp.zeros((2, 8, 16), jnp.float32))
     out = ops.newton_schulz(jnp.zeros((2, 8, 16), jnp.float32), backend=backend)
     assert bool(jnp.all(out == 0))
