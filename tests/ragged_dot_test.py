@@ -220,6 +220,29 @@ def test_tile_table_covers_every_row_once():
     assert set(group[:int(count[0])]) == {1, 3, 4, 5}  # no tiles for empty groups; 5: the zero tail
 
 
+def test_block_items_cover_every_row_once():
+    # The Mosaic GPU forward's schedule: each group visits the aligned blocks its rows overlap.
+    from forgeax.kernels.pallas.gpu.ragged_dot import block_items  # noqa: PLC0415 - imports Mosaic GPU
+
+    sizes = jnp.asarray([0, 5, 0, 17, 3, 8], jnp.int32)  # sum 33 of M = 40: tail rows [33, 40)
+    items, blocks = (np.asarray(a) for a in block_items(sizes, 40, 8))
+    ends = np.cumsum(np.asarray(sizes))
+    covered = np.zeros(40, int)
+    for b in range(5):
+        first, count = blocks[:, b]
+        assert count >= 1
+        for it in range(first, first + count):
+            grp, blk, lo, hi = items[:, it]
+            assert blk == b and b * 8 <= lo < hi <= b * 8 + 8
+            expect = np.searchsorted(ends, lo, side="right")
+            assert grp == min(expect, 6) and (grp == 6 or hi <= ends[grp])
+            covered[lo:hi] += 1
+    assert np.all(covered == 1)
+    visits = int(blocks[1].sum())
+    assert not {0, 2} & set(items[0, :visits].tolist())  # no visit by an empty group
+    assert blocks[1].tolist() == [2, 1, 2, 2, 2]  # groups 1|3, 3, 3|4, 4|5, 5|tail
+
+
 def test_bad_inputs_name_the_argument():
     lhs = jnp.ones((8, 4), jnp.float32)
     rhs = jnp.ones((3, 4, 5), jnp.float32)
