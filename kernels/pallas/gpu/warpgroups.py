@@ -10,6 +10,8 @@ operands into a ring of SMEM slots by TMA. What they share lives here:
   * `Mma`: acc + a @ b on the tensor cores, with the several-wgmmas-per-wait forms the kernels
     use, and its interpret-mode fallbacks (register LHS staged through SMEM);
   * `launch`: the plgpu.kernel of such a CTA.
+One-warpgroup matmul kernels (newton_schulz) use `tma_wgmma_loop` (the TMA ring -> wgmma K loop)
+and `one_warpgroup_kernel` (their plgpu.kernel).
 """
 
 from __future__ import annotations
