@@ -111,7 +111,7 @@ def _band(pid, items: int, tiles: int, group_m: int):
     return first + lax.rem(lax.rem(pid, per_band), size), lax.div(lax.rem(pid, per_band), size)
 
 
-def _launch(kernel, scratch, out_type, ctas: int):
+def _launch(name: str, kernel, scratch, out_type, ctas: int):
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -120,6 +120,7 @@ def _launch(kernel, scratch, out_type, ctas: int):
         grid_names=("t",),
         compiler_params=plgpu.CompilerParams(),
         interpret=interpret_params(),
+        kernel_name=name,
     )
     if interpret_enabled():  # the interpreter's effects would block jax.checkpoint: hide them
         call = without_effects(call, out_type)
@@ -235,7 +236,8 @@ def _forward_call(lhs, rhs, items, blocks, *, n, out_dtype, transpose_rhs, cfg):
         plgpu.SMEM((bm, bn), out_dtype, transforms=transforms(out_dtype)),
     )
     out_type = jax.ShapeDtypeStruct((mp, n), out_dtype)
-    return _launch(kernel, scratch, out_type, n_blocks * tiles)(items, blocks, lhs, rhs)
+    name = "ragged_dot_dlhs" if transpose_rhs else "ragged_dot_forward"
+    return _launch(name, kernel, scratch, out_type, n_blocks * tiles)(items, blocks, lhs, rhs)
 
 
 def _pad_rows(x, multiple: int):
@@ -322,7 +324,7 @@ def _transposed_call(lhs, dout, groups, *, out_dtype, cfg):
         plgpu.SMEM((bko, bn), out_dtype, transforms=transforms(out_dtype)),
     )
     out_type = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return _launch(kernel, scratch, out_type, g * k_tiles * n_tiles)(groups, lhs, dout)
+    return _launch("ragged_dot_transposed", kernel, scratch, out_type, g * k_tiles * n_tiles)(groups, lhs, dout)
 
 
 def group_blocks(group_sizes: jax.Array, m: int, block: int) -> jax.Array:
