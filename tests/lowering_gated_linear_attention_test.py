@@ -70,6 +70,27 @@ def test_triton_forward_and_backward_lower_for_sm90(case):
     _check(triton_gla.GATED_LINEAR_ATTENTION, "cuda", "triton_kernel_call", case, 2, 3)
 
 
+@pytest.mark.skipif(_TRITON_INTERPRET, reason="cross-lowering needs compiled Triton kernels: unset TRITON_INTERPRET")
+def test_triton_candidate_configs_are_valid_and_lower():
+    """The autotune search space starts with the heuristic, holds no duplicates, rejects bad
+    fields by name, and its most different members (4 warps, the widest K block) compile."""
+    from forgeax.kernels.triton import gated_linear_attention as triton_gla
+
+    impl = triton_gla.GATED_LINEAR_ATTENTION
+    arrays, cu, spec = _args(*CASES[0])
+    configs = impl.candidate_configs(*arrays, None, cu, spec=spec)
+    assert configs[0] == impl.heuristic_config(*arrays, None, cu, spec=spec)
+    assert len(set(configs)) == len(configs) >= 6
+    for field, value in (("block_k", 48), ("num_warps", 3), ("num_stages", 0)):
+        with pytest.raises(ValueError, match=field):
+            configs[0].replace(**{field: value})
+    for config in (configs[1], max(configs, key=lambda c: c.block_k)):
+        def forward(q, k, v, g, init, config=config):
+            return impl.fn(q, k, v, g, init, None, spec=spec, config=config)
+
+        assert conformance.lowered_text(forward, *arrays, platform="cuda").count("triton_kernel_call") == 2
+
+
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_pallas_tpu_forward_and_backward_lower_for_tpu(case):
     from forgeax.kernels.pallas.tpu import gated_linear_attention as tpu_gla
