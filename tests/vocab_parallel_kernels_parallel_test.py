@@ -27,6 +27,7 @@ if os.environ.get("JAX_PLATFORMS", "") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
 
 import functools
+import math
 import re
 
 import jax
@@ -309,3 +310,132 @@ def test_pallas_gpu_linear_cross_entropy_chunk_kernels_under_vmap():
     want = jax.jit(lambda: run(lce_reference.CHUNK_KERNELS, None, False))()
     for g, r in zip(got, want):
         assert conformance.relative_error(g, r) < 1e-5
+
+
+# ----------------------------------------------------------------------------- plain jit, vocabulary-sharded logits
+
+from jax.sharding import NamedSharding  # noqa: E402
+
+from forgeax.kernels.common import losses  # noqa: E402
+
+PLAIN_SPEC = LossSpec(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=5.0, reduction="none")
+
+
+def _stand_in_stats(x2, t, spec=PLAIN_SPEC):
+    z, _ = losses.soft_capped(x2.astype(jnp.float32), spec)
+    m = jnp.max(z, axis=-1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(z - m[:, None]), axis=-1))
+    here = (t >= 0) & (t < z.shape[-1])
+    picked = jnp.take_along_axis(z, jnp.clip(t, 0, z.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+    return lse, jnp.where(here, picked, 0.0), jnp.sum(z, axis=-1)
+
+
+# Stand-ins for a backend's raw row kernels (kernels/common/losses.py RowKernels): the
+# interpreted kernels cannot run inside a partitioned launch, so on CPU the shell is checked
+# with these; on GPUs the Triton kernels themselves (below).
+STAND_IN = losses.RowKernels(
+    loss=lambda x2, t: losses.combine_partials(*_stand_in_stats(x2, t), t, PLAIN_SPEC, x2.shape[-1]),
+    stats=_stand_in_stats,
+    grad=lambda x2, t, lse, s, vocab: losses.logits_grad(x2.astype(jnp.float32), t, lse, s, PLAIN_SPEC, x2.dtype, vocab=vocab),
+)
+
+PLAIN_SHARDINGS = {"vocab": P(None, None, "v"), "batch_vocab": P("data", None, "v"), "tokens_vocab": P(None, "data", "v"),
+                   "vocab_over_both": P(None, None, ("data", "v")), "batch": P("data")}
+
+
+def _plain_mesh():
+    n = len(jax.devices())
+    return _mesh(("data", 2), ("v", n // 2)) if n >= 4 else _mesh(("data", 1), ("v", n))
+
+
+def _plain_case(spec_name, loss_fn, dtype=jnp.float32):
+    mesh = _plain_mesh()
+    rng = np.random.default_rng(11)
+    logits = jnp.asarray(3.0 * rng.standard_normal((4, 6, VOCAB), np.float32)).astype(dtype)
+    t = _targets(rng, (4, 6), VOCAB)
+    weights = jnp.arange(24.0).reshape(4, 6)
+    spec = PLAIN_SHARDINGS[spec_name]
+    xs = jax.device_put(logits, NamedSharding(mesh, spec))
+    ts = jax.device_put(t, NamedSharding(mesh, P(*tuple(spec)[:2])))
+    fn = jax.value_and_grad(lambda x, t: jnp.sum(loss_fn(x, t) * weights))
+    got = jax.jit(fn)(xs, ts)
+    want = jax.value_and_grad(lambda x: jnp.sum(ce_reference.cross_entropy(x, t, spec=PLAIN_SPEC) * weights))(
+        logits.astype(jnp.float32))
+    assert conformance.relative_error(got[0], want[0]) < 1e-5
+    assert conformance.relative_error(got[1], want[1]) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    assert got[1].sharding.spec == xs.sharding.spec  # the gradient stays vocabulary-sharded
+    _assert_only_row_statistics_move(fn, xs, ts, rows=24)
+
+
+@pytest.mark.parametrize("sharding", PLAIN_SHARDINGS)
+def test_plain_jit_vocabulary_sharded_shell(sharding):
+    def loss_fn(x, t):
+        t = jnp.where((t >= 0) & (t < VOCAB), t, -1)
+        return losses.split_per_token(STAND_IN, x, t, PLAIN_SPEC)
+
+    if sharding == "batch":  # no vocabulary split: rows only, nothing but the scalar sum moves
+        mesh = _plain_mesh()
+        x = jnp.ones((4, 6, VOCAB))
+        fn = jax.grad(lambda x: jnp.sum(loss_fn(x, jnp.zeros((4, 6), jnp.int32))))
+        hlo = jax.jit(fn).lower(jax.device_put(x, NamedSharding(mesh, P("data")))).compile().as_text()
+        assert "all-gather" not in hlo
+        return
+    _plain_case(sharding, loss_fn)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs >= 2 GPUs (interpreted kernels are not partitioned)")
+@pytest.mark.parametrize("sharding", ["vocab", "batch_vocab", "tokens_vocab"])
+def test_gpu_triton_cross_entropy_plain_jit_vocabulary_sharded(sharding):
+    options = {k: v for k, v in vars(PLAIN_SPEC).items() if k not in ("axis_name",)}
+    _plain_case(sharding, lambda x, t: ops.cross_entropy(x, t, backend="triton", **options), jnp.bfloat16)
+
+
+def _lce_plain_case(backend, x_spec, w_spec, dtype=jnp.float32):
+    mesh = _plain_mesh()
+    rng = np.random.default_rng(12)
+    hidden = 64
+    x = jnp.asarray(rng.standard_normal((4, 6, hidden), np.float32)).astype(dtype)
+    w = jnp.asarray(0.3 * rng.standard_normal((hidden, VOCAB), np.float32)).astype(dtype)
+    t = _targets(rng, (4, 6), VOCAB)
+    kwargs = dict(reduction="none", label_smoothing=0.1, z_loss=1e-3)
+    weights = jnp.arange(24.0).reshape(4, 6)
+    args = (jax.device_put(x, NamedSharding(mesh, x_spec)), jax.device_put(w, NamedSharding(mesh, w_spec)),
+            jax.device_put(t, NamedSharding(mesh, x_spec)))
+    fn = jax.value_and_grad(lambda x, w, t: jnp.sum(
+        ops.linear_cross_entropy(x, w, t, backend=backend, chunk_size=4, **kwargs) * weights), argnums=(0, 1))
+    got = jax.jit(fn)(*args)
+    up = lambda a: a.astype(jnp.float32)  # noqa: E731
+    want = jax.value_and_grad(lambda x, w: jnp.sum(
+        lce_reference.linear_cross_entropy(x, w, t, spec=LossSpec(**kwargs)) * weights), argnums=(0, 1))(up(x), up(w))
+    bf16 = dtype == jnp.bfloat16
+    assert conformance.relative_error(got[0], want[0]) < (2e-3 if bf16 else 1e-5)
+    for g, r in zip(got[1], want[1]):
+        assert conformance.relative_error(g, r) < (2e-2 if bf16 else 1e-5)
+    assert got[1][1].sharding.spec == args[1].sharding.spec  # dW stays vocabulary-sharded
+    found = _collectives(fn, *args)
+    v_ways = math.prod(mesh.shape[a] for a in (w_spec[1] if isinstance(w_spec[1], tuple) else (w_spec[1],)))
+    # Row statistics, the chunks' dx [C, H], and (tokens also split) dW's slice summed over "data".
+    limit = hidden * VOCAB // v_ways
+    sizes = {s: max([int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in re.findall(r"\[([\d,]*)\]", s)] or [1])
+             for _, s in found}
+    bad = [(k, s) for k, s in found if k != "all-reduce" or sizes[s] > limit]
+    assert not bad, f"gathers or oversized collectives: {bad}"
+
+
+LCE_PLAIN = {"vocab": (P(), P(None, "v")), "tokens_vocab": (P("data"), P(None, "v")),
+             "vocab_over_both": (P(), P(None, ("data", "v")))}
+
+
+@pytest.mark.parametrize("sharding", LCE_PLAIN)
+def test_plain_jit_vocabulary_sharded_linear_cross_entropy_chunk_loop(sharding):
+    # xla_chunked's chunk loop goes through the same launch shell as the kernel backends
+    # (kernels/common/linear_cross_entropy.py _split); it is not interpreted, so it is
+    # partitioned on CPU too.
+    _lce_plain_case("xla_chunked", *LCE_PLAIN[sharding])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs >= 2 GPUs (interpreted kernels are not partitioned)")
+@pytest.mark.parametrize("backend", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("sharding", ["vocab", "tokens_vocab"])
+def test_gpu_linear_cross_entropy_plain_jit_vocabulary_sharded(backend, sharding):
+    _lce_plain_case(backend, *LCE_PLAIN[sharding], jnp.bfloat16)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,7 @@ from jax import lax
 
 from forgeax.core.config import KernelConfig
 from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets
-from forgeax.kernels.common.partitioning import ROWS, SUM, WHOLE, rowwise
+from forgeax.kernels.common.partitioning import ROWS, VOCAB_COLS, VOCAB_SUM, vocab_rowwise
 
 # The default chunk keeps its logits under this many bytes: at Llama-3's
 # V=128256, 2048 tokens of bf16 logits (Triton: the gradient overwrites them)
@@ -204,24 +205,58 @@ def _grad_loop(x2, w, b, t, opts, lse=None, scale=None):
 
 
 def _split(fn, arg_kinds, out_kinds, opts):
-    """fn (a whole chunk loop) as a launch the SPMD partitioner splits by tokens, each device
-    looping over its own rows (kernels/common/partitioning.py); dW and db are summed per device,
-    then all-reduced. Vocabulary-parallel calls run inside shard_map already: unchanged."""
+    """fn(*args, opts) (a whole chunk loop) as a launch the SPMD partitioner splits by tokens and,
+    when W's vocabulary axis is sharded, by vocabulary (kernels/common/partitioning.py
+    `vocab_rowwise`): each device loops over its own rows and W slice, vocabulary-parallel over
+    the mesh axes that split V (its row statistics and dx all-reduced there); dW and db are
+    summed per device, then all-reduced over the row axes. None arguments / outputs are left
+    out of the launch. Vocabulary-parallel calls run inside shard_map already: unchanged."""
     if opts.spec.axis_name is not None:
-        return fn
-    return lambda x, *args: rowwise(fn, arg_kinds, out_kinds, row_ndim=x.ndim - 1)(x, *args)
+        return lambda *args: fn(*args, opts)
+
+    def call(x, *args):
+        args = (x,) + args
+        present = [i for i, a in enumerate(args) if a is not None]
+        out_present = []
+
+        def local(*given, axis_name):
+            full = [None] * len(args)
+            for i, a in zip(present, given):
+                full[i] = a
+            own = opts
+            if axis_name is not None:  # this device's slice of V: x is replicated along it
+                own = dataclasses.replace(opts, spec=dataclasses.replace(opts.spec, axis_name=axis_name), psum_dx=True)
+            outs = fn(*full, own)
+            out_present[:] = [i for i, o in enumerate(outs) if o is not None]
+            return tuple(o for o in outs if o is not None)
+
+        lead = x.ndim - 1  # which outputs exist: trace on flat rows, as the launch does
+        flat = [jax.ShapeDtypeStruct((-1,) + a.shape[lead:] if arg_kinds[i] == ROWS else a.shape, a.dtype)
+                for i, a in ((i, args[i]) for i in present)]
+        rows = math.prod(x.shape[:lead])
+        flat = [jax.ShapeDtypeStruct((rows,) + f.shape[1:], f.dtype) if f.shape[:1] == (-1,) else f for f in flat]
+        jax.eval_shape(lambda *g: local(*g, axis_name=None), *flat)
+        kinds = [arg_kinds[i] for i in present]
+        okinds = [out_kinds[i] for i in out_present]
+        outs = vocab_rowwise(local, kinds, okinds, row_ndim=x.ndim - 1)(*[args[i] for i in present])
+        full = [None] * len(out_kinds)
+        for i, o in zip(out_present, outs):
+            full[i] = o
+        return tuple(full)
+
+    return call
 
 
 def _loss_rows(x2, w, b, t, opts):
-    loop = functools.partial(_loss_loop, opts=opts)
-    return _split(loop, (ROWS, WHOLE, WHOLE, ROWS), (ROWS, ROWS), opts)(x2, w, b, t)
+    return _split(_loss_loop, (ROWS, VOCAB_COLS, VOCAB_COLS, ROWS), (ROWS, ROWS), opts)(x2, w, b, t)
 
 
 def _grad_rows(x2, w, b, t, opts, lse=None, scale=None):
-    def loop(x2, w, b, t, lse, scale):
+    def loop(x2, w, b, t, lse, scale, opts):
         return _grad_loop(x2, w, b, t, opts, lse=lse, scale=scale)
 
-    return _split(loop, (ROWS, WHOLE, WHOLE, ROWS, ROWS, ROWS), (ROWS, ROWS, SUM, SUM), opts)(x2, w, b, t, lse, scale)
+    kinds = (ROWS, VOCAB_COLS, VOCAB_COLS, ROWS, ROWS, ROWS)
+    return _split(loop, kinds, (ROWS, ROWS, VOCAB_SUM, VOCAB_SUM), opts)(x2, w, b, t, lse, scale)
 
 
 def _scaled(g, s, like):

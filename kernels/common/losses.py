@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from forgeax.kernels.common.batching import ManualAxes
+from forgeax.kernels.common.batching import ManualAxes, fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import ROWS, VOCAB, vocab_rowwise
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -87,15 +89,16 @@ def soft_capped(logits: jax.Array, spec: LossSpec):
     return spec.soft_cap * th, th
 
 
-def logits_grad(logits: jax.Array, t: jax.Array, lse: jax.Array, scale: jax.Array, spec: LossSpec, dtype) -> jax.Array:
+def logits_grad(logits: jax.Array, t: jax.Array, lse: jax.Array, scale: jax.Array, spec: LossSpec, dtype, vocab=None) -> jax.Array:
     """scale[:, None] * d loss_row / d logits in `dtype`, given each row's (global) lse:
 
         (p_v (1 + 2 z_loss lse) - (1 - ls) [v == t] - ls / V) * (1 - (z_v / cap)^2),  p = exp(z - lse)
 
-    exact zeros on ignored rows, even for infinite logits."""
+    exact zeros on ignored rows, even for infinite logits. vocab: None (t global, V from
+    spec.axis_name), or the global V with t already `local_targets` (a kernel's convention)."""
     z, th = soft_capped(logits, spec)
     local = z.shape[-1]
-    first, vocab = vocab_range(spec, local)
+    first, vocab = vocab_range(spec, local) if vocab is None else (0, vocab)
     valid = (t >= 0)[:, None]
     scale = jnp.where(t >= 0, scale, 0.0)[:, None]
     hit = jnp.arange(local)[None, :] == (t - first)[:, None]
@@ -198,3 +201,60 @@ def _vp_bwd(stats, grad, spec, residuals, ct):
 
 
 vocab_parallel_per_token.defvjp(_vp_fwd, _vp_bwd)
+
+
+# ----------------------------------------------------------------------------- under plain jit
+
+
+@dataclasses.dataclass(frozen=True)
+class RowKernels:
+    """A backend's raw cross-entropy row kernels on 2-D logits [N, V_local] (no wrappers), for
+    `split_per_token`; `spec` and the config are bound in:
+
+      loss(x2, t) -> (loss [N], lse [N])            t: int32 [N], -1 = ignored
+      stats(x2, t_local) -> (lse_local, z_target, z_sum) [N] over the slice (`local_targets`)
+      grad(x2, t, lse, scale, vocab) -> scale[:, None] * d loss_row / d logits, in x2's dtype;
+          vocab: None, or the global vocabulary (then t is `local_targets` and lse the global one)
+    """
+
+    loss: Callable[..., Any]
+    stats: Callable[..., Any]
+    grad: Callable[..., Any]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def split_per_token(kernels: RowKernels, logits, t, spec: LossSpec):
+    """Per-token loss of [..., V] logits (targets t: global ids, -1 = ignored) for a kernel backend
+    under plain jit: the launches split over the rows and, when the logits' vocabulary axis is
+    sharded, over the vocabulary (kernels/common/partitioning.py `vocab_rowwise`), each device then
+    running the vocabulary-parallel path over the mesh axes that split it."""
+    return _split_fwd(kernels, logits, t, spec)[0]
+
+
+def _split_fwd(kernels, logits, t, spec):
+    def local(x2, t, axis_name):
+        if axis_name is None:
+            return kernels.loss(x2, t)
+        return vocab_parallel_loss(kernels.stats, x2, t, dataclasses.replace(spec, axis_name=axis_name))
+
+    launch = vocab_rowwise(local, (VOCAB, ROWS), (ROWS, ROWS), row_ndim=t.ndim)
+    loss, lse = fold_vmap_into_rows(launch, row_args=(0, 1))(logits, t)
+    return loss, (logits, t, lse)
+
+
+def _split_bwd(kernels, spec, residuals, ct):
+    logits, t, lse = residuals
+
+    def local(x2, t, lse, ct, axis_name):
+        if axis_name is None:
+            return (kernels.grad(x2, t, lse, ct, None),)
+        s = dataclasses.replace(spec, axis_name=axis_name)
+        vocab = vocab_range(s, x2.shape[-1])[1]
+        return (kernels.grad(x2, local_targets(t, s, x2.shape[-1]), lse, ct, vocab),)
+
+    launch = vocab_rowwise(local, (VOCAB, ROWS, ROWS, ROWS), (VOCAB,), row_ndim=t.ndim)
+    dx = fold_vmap_into_rows(launch, row_args=(0, 1, 2, 3))(logits, t, lse, ct.astype(jnp.float32))[0]
+    return dx, None
+
+
+split_per_token.defvjp(_split_fwd, _split_bwd)

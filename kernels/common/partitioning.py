@@ -200,3 +200,119 @@ def _partitioned(global_fn, local_fn, kinds, okinds, in_ranks, out_ranks, row_nd
     cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=private)
     return cp
+
+
+# ----------------------------------------------------------------------------- vocabulary split
+
+VOCAB = "vocab"  # a ROWS array whose last axis (the vocabulary) may be split too
+VOCAB_COLS = "vocab_cols"  # an argument that is not per row (a weight [H, V], a bias [V]): last axis may be split
+VOCAB_SUM = "vocab_sum"  # an output summed over the rows (dW, db) whose last axis may be split
+
+
+def vocab_rowwise(fn: Callable[..., Any], arg_kinds: Sequence[str], out_kinds: Sequence[str], *, row_ndim: int = 1):
+    """`fn(*args, axis_name=...) -> tuple` as a launch split over rows and over the vocabulary.
+
+    Every argument / output is one array. Arguments: ROWS, VOCAB (ROWS plus a last axis that may
+    be split), VOCAB_COLS (not per row; last axis may be split), WHOLE. Outputs: ROWS, VOCAB,
+    SUM, VOCAB_SUM (summed over the rows: each device sums its own, then one all-reduce over the
+    row mesh axes). When the first VOCAB / VOCAB_COLS argument's last axis is sharded evenly
+    over mesh axes A (none of them splitting rows), each device gets its slice of every
+    vocabulary axis and runs `fn(..., axis_name=A)`, which combines across the slices with
+    collectives over A (vocabulary-parallel); otherwise `fn(..., axis_name=None)` on whole
+    rows. Rows split as in `rowwise` (fn sees them flat; the first argument is per row).
+    Inside shard_map and for interpreted kernels: fn, unsplit."""
+    arg_kinds, out_kinds = tuple(arg_kinds), tuple(out_kinds)
+    per_row = (ROWS, VOCAB)
+
+    def flat(args, kinds, okinds, axis_name):
+        lead = tuple(args[0].shape[:row_ndim])
+        rows = math.prod(lead)
+        views = [a.reshape((rows,) + a.shape[row_ndim:]) if k in per_row else a for a, k in zip(args, kinds)]
+        outs = fn(*views, axis_name=axis_name)
+        return tuple(o.reshape(lead + o.shape[1:]) if k in per_row else o for o, k in zip(outs, okinds))
+
+    def call(*args):
+        if len(args) != len(arg_kinds):
+            raise TypeError(f"vocab_rowwise: expected {len(arg_kinds)} arguments, got {len(args)}")
+        if interpret_enabled() or jax.sharding.get_abstract_mesh().manual_axes:  # see rowwise
+            return flat(args, arg_kinds, out_kinds, None)
+        closed = jax.make_jaxpr(lambda *a: flat(a, arg_kinds, out_kinds, None))(*args)
+        consts = [jnp.asarray(c) for c in closed.consts]
+        n = len(args)
+        kinds = arg_kinds + (WHOLE,) * len(consts)
+        in_ranks = [a.ndim for a in args] + [c.ndim for c in consts]
+        out_ranks = [o.ndim for o in closed.out_avals]
+
+        def global_fn(*a):
+            return tuple(jax.core.eval_jaxpr(closed.jaxpr, list(a[n:]), *a[:n]))
+
+        cp = custom_partitioning(global_fn)
+
+        def axes_of(mesh, arg_shapes):
+            rows = _row_axes(mesh, arg_shapes, [ROWS if k == VOCAB else k for k in kinds], row_ndim)
+            vocab = None
+            for shape, kind in zip(arg_shapes, kinds):
+                if kind in (VOCAB, VOCAB_COLS) and isinstance(shape.sharding, NamedSharding):
+                    spec = tuple(shape.sharding.spec) + (None,) * len(shape.shape)
+                    names = _names((spec[len(shape.shape) - 1],))
+                    if names and not set(names) & set(_names(rows)) and shape.shape[-1] % math.prod(mesh.shape[a] for a in names) == 0:
+                        vocab = names if len(names) > 1 else names[0]
+                    break
+            return rows, vocab
+
+        def shardings(mesh, rows, vocab, which_kinds, ranks):
+            def one(kind, rank):
+                if kind in (WHOLE, SUM):
+                    return NamedSharding(mesh, PartitionSpec(*(None,) * rank))
+                if kind in (VOCAB_COLS, VOCAB_SUM):
+                    return NamedSharding(mesh, PartitionSpec(*((None,) * (rank - 1) + (vocab,))))
+                rest = (None,) * (rank - row_ndim)
+                if kind == VOCAB and rest:
+                    rest = rest[:-1] + (vocab,)
+                return NamedSharding(mesh, PartitionSpec(*(rows + rest)))
+            return [one(k, r) for k, r in zip(which_kinds, ranks)]
+
+        def infer(mesh, arg_shapes, result_shape):
+            del result_shape
+            return tuple(shardings(mesh, *axes_of(mesh, arg_shapes), out_kinds, out_ranks))
+
+        def partition(mesh, arg_shapes, result_shape):
+            del result_shape
+            rows, vocab = axes_of(mesh, arg_shapes)
+            reduce_over = _names(rows)
+
+            def lower(*a):
+                outs = flat(a[:n], arg_kinds, out_kinds, vocab)
+                if not reduce_over:
+                    return outs
+                return tuple(jax.lax.psum(o, reduce_over) if k in (SUM, VOCAB_SUM) else o for o, k in zip(outs, out_kinds))
+
+            return (mesh, lower, tuple(shardings(mesh, rows, vocab, out_kinds, out_ranks)),
+                    tuple(shardings(mesh, rows, vocab, kinds, in_ranks)))
+
+        rule, private, reduced = _vocab_rule(kinds, out_kinds, in_ranks, out_ranks, row_ndim)
+        cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                         need_replication_factors=private, reduction_factors=reduced)
+        return cp(*args, *consts)
+
+    return call
+
+
+def _vocab_rule(kinds, okinds, in_ranks, out_ranks, row_ndim):
+    """Row factors r0.., a vocabulary factor v on every vocabulary axis (a reduction factor when
+    no output has it), a private (replicated) factor per other axis."""
+    rows = [f"r{i}" for i in range(row_ndim)]
+    private = []
+    has_v = (VOCAB, VOCAB_COLS, VOCAB_SUM)
+
+    def dims(kind, rank, tag):
+        lead = rows if kind in (ROWS, VOCAB) else []
+        n = rank - len(lead) - (kind in has_v)
+        own = [f"{tag}d{i}" for i in range(n)]
+        private.extend(own)
+        return " ".join(lead + own + (["v"] if kind in has_v else []))
+
+    lhs = ", ".join(dims(k, r, f"i{j}") for j, (k, r) in enumerate(zip(kinds, in_ranks)))
+    rhs = ", ".join(dims(k, r, f"o{j}") for j, (k, r) in enumerate(zip(okinds, out_ranks)))
+    reduced = () if any(k in has_v for k in okinds) or not any(k in has_v for k in kinds) else ("v",)
+    return f"{lhs} -> {rhs}", tuple(private), reduced

@@ -48,7 +48,9 @@ import triton.language as tl
 from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.partitioning import ROWS, rowwise
 from forgeax.core.config import KernelConfig
-from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets, vocab_parallel_per_token, vocab_range
+from forgeax.kernels.common.losses import (
+    LossSpec, RowKernels, reduce_loss, split_per_token, valid_targets, vocab_parallel_per_token, vocab_range,
+)
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
 from forgeax.core.registry import Implementation
@@ -368,8 +370,24 @@ def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: Cross
     if spec.axis_name is not None:  # vocabulary-parallel: partial statistics + collectives
         loss = vocab_parallel_per_token(*vocab_parallel_kernels(v, spec, config), logits, jnp.where(valid, t, -1), spec)
         return reduce_loss(loss, valid, spec.reduction)
-    loss = _per_token(logits, jnp.where(valid, t, -1), spec, config)
+    if config.grad_in_forward:  # rows split under plain jit; a sharded vocabulary is gathered
+        loss = _per_token(logits, jnp.where(valid, t, -1), spec, config)
+    else:  # rows and a sharded vocabulary split under plain jit (vocabulary-parallel per device)
+        loss = split_per_token(row_kernels(spec, config), logits, jnp.where(valid, t, -1), spec)
     return reduce_loss(loss, valid, spec.reduction)
+
+
+def row_kernels(spec: LossSpec, config) -> RowKernels:
+    """The raw row kernels (`losses.split_per_token`'s contract), spec and config bound."""
+    return RowKernels(
+        loss=functools.partial(_loss_rows, spec=spec, config=config),
+        stats=functools.partial(_stats_rows, spec=spec, config=config),
+        grad=functools.partial(_raw_grad, spec=spec, config=config),
+    )
+
+
+def _raw_grad(x2, t, lse, scale, vocab, *, spec, config):
+    return _grad_rows(x2, t, lse, scale, spec=spec, config=config, vocab=vocab)
 
 
 def _supports(logits, targets, *, spec: LossSpec = LossSpec()):

@@ -42,7 +42,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.partitioning import ROWS, rowwise
-from forgeax.kernels.common.losses import LossSpec, reduce_loss, valid_targets, vocab_parallel_per_token, vocab_range
+from forgeax.kernels.common.losses import (
+    LossSpec, RowKernels, reduce_loss, split_per_token, valid_targets, vocab_parallel_per_token, vocab_range,
+)
 from forgeax.kernels.pallas.interpret import without_effects
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
@@ -299,25 +301,6 @@ def _rowwise(fn, spec, config, n_args, **kwargs):
     return fold_vmap_into_rows(launch, row_args=tuple(range(n_args)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _per_token(x2, t, spec, config):
-    return _rowwise(_loss_rows, spec, config, 2)(x2, t)[0]
-
-
-def _per_token_fwd(x2, t, spec, config):
-    loss, lse = _rowwise(_loss_rows, spec, config, 2)(x2, t)
-    return loss, (x2, t, lse)
-
-
-def _per_token_bwd(spec, config, residuals, ct):
-    x2, t, lse = residuals
-    dx = _rowwise(_grad_rows, spec, config, 4)(x2, t, lse, ct.astype(_F32))
-    return dx, None  # integer targets: no cotangent
-
-
-_per_token.defvjp(_per_token_fwd, _per_token_bwd)
-
-
 # ----------------------------------------------------------------------------- row entry points
 # For callers that own the differentiation (the linear_cross_entropy chunk loop):
 # 2-D logits, 1-D per-row arrays, no custom_vjp; `spec` the call's LossSpec.
@@ -363,10 +346,28 @@ def cross_entropy(logits, targets, *, spec: LossSpec = LossSpec(), config: Cross
         loss = jnp.zeros(targets.shape, _F32)
     elif spec.axis_name is not None:  # vocabulary-parallel: partial statistics + collectives
         loss = vocab_parallel_per_token(*vocab_parallel_kernels(v, spec, config), logits, jnp.where(valid, t, -1), spec)
-    else:
-        column = jnp.where(valid, t, -1)[..., None]
-        loss = _per_token(logits, column, spec, config).reshape(targets.shape)
+    else:  # rows and a sharded vocabulary split under plain jit (vocabulary-parallel per device)
+        loss = split_per_token(row_kernels(spec, config), logits, jnp.where(valid, t, -1), spec)
     return reduce_loss(loss, valid, spec.reduction)
+
+
+def row_kernels(spec: LossSpec, config: CrossEntropyPallasTpuConfig) -> RowKernels:
+    """The raw kernels on 1-D per-row arrays (`losses.split_per_token`'s contract)."""
+    bound = dict(spec=spec, config=config)
+    return RowKernels(
+        loss=functools.partial(_columns, _loss_rows, bound=bound),
+        stats=functools.partial(_columns, _stats_rows, bound=bound),
+        grad=functools.partial(_raw_grad, bound=bound),
+    )
+
+
+def _columns(fn, x2, t, *, bound):
+    return tuple(a[:, 0] for a in fn(x2, t[:, None], **bound))
+
+
+def _raw_grad(x2, t, lse, scale, vocab, *, bound):
+    col = lambda a: a.astype(_F32)[:, None]  # noqa: E731
+    return _grad_rows(x2, t[:, None], col(lse), col(scale), vocab=vocab, **bound)
 
 
 def _supports(logits, targets, *, spec: LossSpec = LossSpec()):
