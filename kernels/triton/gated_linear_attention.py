@@ -40,7 +40,8 @@ from forgeax.kernels.common.gated_linear_attention import (
     GLASpec, chunk_cumsum, from_layout, gate_gradient_from_within, kernel_supports, lightning_gates, make_layout, to_layout)
 from forgeax.kernels.triton import gated_linear_attention_backward as backward
 from forgeax.kernels.triton.attention_tiles import dot
-from forgeax.kernels.triton.gated_linear_attention_backward import load_rows, pow2_at_least, state_tile
+from forgeax.kernels.triton.gated_linear_attention_backward import (
+    chunk_outer, chunk_program, load_rows, pow2_at_least, state_tile)
 from forgeax.kernels.triton.launch import triton_call
 
 MAX_HEAD_DIM = 256  # K and V: the dq/dk kernel holds [C, K block] tiles and loops over V blocks
@@ -51,7 +52,6 @@ def _states_forward(K_, V_, B_, INIT, STARTS, ENDS, H, FINAL,
                     N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, NC: tl.constexpr,
                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     r, n, rk, rv, tile, m2 = state_tile(N, KD, VD, BK, BV)
-    t = tl.arange(0, C)
     state = tl.zeros([BK, BV], dtype=tl.float32)
     for c in range(NC):
         # Branch-free resets (masked loads / stores) keep the loop pipelinable.
@@ -61,14 +61,8 @@ def _states_forward(K_, V_, B_, INIT, STARTS, ENDS, H, FINAL,
         init = tl.load(INIT + (tl.maximum(start, 0) * N + n) * KD * VD + tile, mask=m2 & (start >= 0), other=0.0)
         state = tl.where(start >= 0, init, state)
         tl.store(H + ((r * N + n) * NC + c) * KD * VD + tile, state.to(H.dtype.element_ty), mask=m2)
-        base = (r * TP + c * C) * N + n
-        rows = base + t * N
-        k = load_rows(K_, rows, rk, KD)
-        b = load_rows(B_, rows, rk, KD)
-        last = tl.load(B_ + (base + (C - 1) * N) * KD + rk, mask=rk < KD, other=0.0)
-        v = tl.load(V_ + rows[:, None] * VD + rv[None, :], mask=(rv < VD)[None, :], other=0.0)
-        ke = (k * tl.exp(last[None, :] - b)).to(v.dtype)
-        state = state * tl.exp(last)[:, None] + dot(tl.trans(ke), v, PRECISION)
+        decay, update = chunk_outer(K_, V_, B_, r, n, c, rk, rv, N, TP, KD, VD, C, True, PRECISION)
+        state = state * decay[:, None] + update
     end = tl.load(ENDS + r * (NC + 1) + NC)
     tl.store(FINAL + (tl.maximum(end, 0) * N + n) * KD * VD + tile, state, mask=m2 & (end >= 0))
 
@@ -78,13 +72,9 @@ def _output_forward(Q_, K_, V_, B_, H, O, A_,
                     N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, NC: tl.constexpr,
                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
                     PRECISION: tl.constexpr, GATE_RANGE: tl.constexpr, STORE_A: tl.constexpr):
-    c = tl.program_id(1)
-    r = (tl.program_id(2) // N).to(tl.int64)
-    n = tl.program_id(2) % N
+    r, n, c, base, rows = chunk_program(N, TP, C)
     t = tl.arange(0, C)
     blk = t // 16
-    base = (r * TP + c * C) * N + n
-    rows = base + t * N
     rv = tl.program_id(0) * BV + tl.arange(0, BV)
     mv = rv < VD
     v = tl.load(V_ + rows[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)

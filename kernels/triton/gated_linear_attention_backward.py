@@ -66,15 +66,38 @@ def state_tile(N: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, BK: tl.const
 
 
 @triton.jit
-def chunk_rows(r, n, c, N: tl.constexpr, TP: tl.constexpr, C: tl.constexpr):
-    """Row offsets [C] (in tokens x heads) of chunk c of row r, head n."""
-    return (r * TP + c * C + tl.arange(0, C)) * N + n
+def chunk_program(N: tl.constexpr, TP: tl.constexpr, C: tl.constexpr):
+    """The chunk kernels' program: axis 1 = chunk, axis 2 = row x head. Returns (row, head,
+    chunk, the chunk's first row offset in [*, D] arrays' rows (tokens x heads), its C row offsets)."""
+    c = tl.program_id(1)
+    r = (tl.program_id(2) // N).to(tl.int64)
+    n = tl.program_id(2) % N
+    base = (r * TP + c * C) * N + n
+    return r, n, c, base, base + tl.arange(0, C) * N
 
 
 @triton.jit
 def load_rows(X, rows, cols, D: tl.constexpr):
     """x[rows, cols] of an [*, D] array in f32, zero outside D."""
     return tl.load(X + rows[:, None] * D + cols[None, :], mask=(cols < D)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def chunk_outer(X_, Y_, B_, r, n, c, rk, rv, N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+                C: tl.constexpr, TO_END: tl.constexpr, PRECISION: tl.constexpr):
+    """The state walks' step for chunk c: (e^{B} [BK], (x e^{B - b})^T y if TO_END else
+    (x e^{b})^T y, [BK, BV] f32); x: [*, KD] rows, y: [*, VD] rows (B: b at the chunk's last row)."""
+    base = (r * TP + c * C) * N + n
+    rows = base + tl.arange(0, C) * N
+    x = load_rows(X_, rows, rk, KD)
+    b = load_rows(B_, rows, rk, KD)
+    last = tl.load(B_ + (base + (C - 1) * N) * KD + rk, mask=rk < KD, other=0.0)
+    y = tl.load(Y_ + rows[:, None] * VD + rv[None, :], mask=(rv < VD)[None, :], other=0.0)
+    if TO_END:
+        xe = x * tl.exp(last[None, :] - b)
+    else:
+        xe = x * tl.exp(b)
+    return tl.exp(last), dot(tl.trans(xe.to(y.dtype)), y, PRECISION)
 
 
 @triton.jit
@@ -90,13 +113,8 @@ def _states_backward(Q_, B_, DO, STARTS, ENDS, DFINAL, DH, DINIT,
         dfinal = tl.load(DFINAL + (tl.maximum(end, 0) * N + n) * KD * VD + tile, mask=m2 & (end >= 0), other=0.0)
         dstate = tl.where(end >= 0, dfinal, dstate)
         tl.store(DH + ((r * N + n) * NC + c) * KD * VD + tile, dstate.to(DH.dtype.element_ty), mask=m2)
-        rows = chunk_rows(r, n, c, N, TP, C)
-        q = load_rows(Q_, rows, rk, KD)
-        b = load_rows(B_, rows, rk, KD)
-        last = tl.load(B_ + ((r * TP + c * C + C - 1) * N + n) * KD + rk, mask=rk < KD, other=0.0)
-        do = tl.load(DO + rows[:, None] * VD + rv[None, :], mask=(rv < VD)[None, :], other=0.0)
-        qe = (q * tl.exp(b)).to(do.dtype)
-        dstate = dstate * tl.exp(last)[:, None] + SCALE * dot(tl.trans(qe), do, PRECISION)
+        decay, update = chunk_outer(Q_, DO, B_, r, n, c, rk, rv, N, TP, KD, VD, C, False, PRECISION)
+        dstate = dstate * decay[:, None] + SCALE * update
         start = tl.load(STARTS + r * NC + c)
         tl.store(DINIT + (tl.maximum(start, 0) * N + n) * KD * VD + tile, dstate, mask=m2 & (start >= 0))
         dstate = tl.where(start >= 0, 0.0, dstate)
@@ -115,12 +133,14 @@ def _dqk_exact(Q_, K_, B_, q, k, b, da, dq, dk, base, rk, N: tl.constexpr, KD: t
         ref = tl.load(B_ + (base + i * 16 * N) * KD + rk, mask=mk, other=0.0)  # b at block i's first row
         ki = k * tl.exp(tl.where((blk < i)[:, None], ref[None, :] - b, float("-inf")))
         dai = tl.where((blk == i)[:, None], da, 0.0)
-        dq += tl.exp(tl.where((blk == i)[:, None], b - ref[None, :], float("-inf"))) * dot(dai.to(dt), ki.to(dt), PRECISION)
+        rows_i = tl.exp(tl.where((blk == i)[:, None], b - ref[None, :], float("-inf")))
+        dq += rows_i * dot(dai.to(dt), ki.to(dt), PRECISION)
     for j in tl.static_range(0, C // 16 - 1):
         ref = tl.load(B_ + (base + (j * 16 + 15) * N) * KD + rk, mask=mk, other=0.0)  # b at block j's last row
         qj = q * tl.exp(tl.where((blk > j)[:, None], b - ref[None, :], float("-inf")))
         daj = tl.where((blk == j)[None, :], da, 0.0)
-        dk += tl.exp(tl.where((blk == j)[:, None], ref[None, :] - b, float("-inf"))) * dot(tl.trans(daj).to(dt), qj.to(dt), PRECISION)
+        rows_j = tl.exp(tl.where((blk == j)[:, None], ref[None, :] - b, float("-inf")))
+        dk += rows_j * dot(tl.trans(daj).to(dt), qj.to(dt), PRECISION)
     # Diagonal blocks: for each offset s, row t meets row u = 16 blk(t) + s of its own block
     # (as the key of dq_t when u <= t, as the query of dk_t when u >= t).
     for s in range(16):
@@ -144,12 +164,8 @@ def _dqk_backward(Q_, K_, V_, B_, DO, H, DH, DQ, DK, DG,
                   N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, NC: tl.constexpr,
                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
                   GATE_RANGE: tl.constexpr):
-    c = tl.program_id(1)
-    r = (tl.program_id(2) // N).to(tl.int64)
-    n = tl.program_id(2) % N
+    r, n, c, base, rows = chunk_program(N, TP, C)
     t = tl.arange(0, C)
-    base = (r * TP + c * C) * N + n
-    rows = base + t * N
     rk = tl.program_id(0) * BK + tl.arange(0, BK)
     mk = rk < KD
     q = load_rows(Q_, rows, rk, KD)
@@ -195,12 +211,8 @@ def _dqk_backward(Q_, K_, V_, B_, DO, H, DH, DQ, DK, DG,
 def _dv_backward(K_, B_, DO, DH, A_, DV,
                  N: tl.constexpr, TP: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, NC: tl.constexpr,
                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr):
-    c = tl.program_id(1)
-    r = (tl.program_id(2) // N).to(tl.int64)
-    n = tl.program_id(2) % N
+    r, n, c, base, rows = chunk_program(N, TP, C)
     t = tl.arange(0, C)
-    base = (r * TP + c * C) * N + n
-    rows = base + t * N
     rv = tl.program_id(0) * BV + tl.arange(0, BV)
     mv = rv < VD
     do = tl.load(DO + rows[:, None] * VD + rv[None, :], mask=mv[None, :], other=0.0)
