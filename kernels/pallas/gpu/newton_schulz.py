@@ -12,9 +12,9 @@ static tile table, one CTA (one warpgroup) per tile and matrix. A `stages`-deep 
 block x 64 operand tiles to wgmma (f32 accumulator); rhs is read as [N, K] tiles transposed in
 SMEM for the Gram products. The epilogue tile (extra) lands by TMA during the K loop. The f32
 epilogue is rounded to bf16, stored to SMEM and written by TMA; for a mirrored tile (r != s)
-the transpose is I @ tile^T, one more wgmma of the identity with the SMEM tile read transposed
-(exact: bf16 values times 1 summed in f32), a block / K fraction of the tile's FLOPs, stored
-at (s, r). So A and B are exactly symmetric off the diagonal tiles, and the two Gram products
+the transpose is I @ tile^T, one more wgmma of the identity (an input, by TMA) with the SMEM
+tile read transposed (exact: bf16 values times 1 summed in f32), a block / K fraction of the
+tile's FLOPs, stored at (s, r). So A and B are exactly symmetric off the diagonal tiles, and the two Gram products
 cost (T + 1) / 2T of the full ones (T tiles per side).
 
 Scope: M and K multiples of 64 (others are refused: the XLA/Triton backends run them); the
@@ -141,9 +141,9 @@ def _matmul(lhs, rhs, extra, table: np.ndarray, *, alpha: float, beta: float, rh
     steps = k // _TK
     has_extra = extra is not None
 
-    def kernel(table_g, lhs_g, rhs_g, *refs):
+    def kernel(table_g, eye_g, lhs_g, rhs_g, *refs):
         extra_g = refs[0] if has_extra else None
-        out_g, a_s, b_s, loaded, o_s, e_s, eye_s, e_bar = refs[has_extra:]
+        out_g, a_s, b_s, loaded, o_s, e_s, eye_s, e_bar, eye_bar = refs[has_extra:]
         b, t = lax.axis_index("b"), lax.axis_index("t")
         r, s = table_g[0, t], table_g[1, t]
         rows = pl.ds(pl.multiple_of(r * bm, bm), bm)
@@ -151,6 +151,8 @@ def _matmul(lhs, rhs, extra, table: np.ndarray, *, alpha: float, beta: float, rh
 
         if has_extra:  # lands during the K loop
             plgpu.copy_gmem_to_smem(extra_g.at[b, rows, cols], e_s, e_bar)
+        if mirror:  # the identity too (a TMA from L2: building it in registers costs 256 of them)
+            pl.when(r != s)(lambda: plgpu.copy_gmem_to_smem(eye_g, eye_s, eye_bar))
 
         def fetch(step, slot):
             kk = k_block(step, _TK)
@@ -175,10 +177,7 @@ def _matmul(lhs, rhs, extra, table: np.ndarray, *, alpha: float, beta: float, rh
         if mirror:
             @pl.when(r != s)
             def _():
-                i = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, bn), 0), plgpu.Layout.WGMMA)
-                j = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bn, bn), 1), plgpu.Layout.WGMMA)
-                eye_s[...] = jnp.where(i == j, 1.0, 0.0).astype(_DT)
-                plgpu.commit_smem()
+                plgpu.barrier_wait(eye_bar)
 
                 def transpose(acc):
                     plgpu.wgmma(acc, eye_s, o_s.transpose((1, 0)))
@@ -200,10 +199,12 @@ def _matmul(lhs, rhs, extra, table: np.ndarray, *, alpha: float, beta: float, rh
         plgpu.SMEM((bm, bn) if has_extra or mirror else (8, 64), _DT, transforms=tf),
         plgpu.SMEM((bn, bn) if mirror else (8, 64), _DT, transforms=tf),
         plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=1),
     )
     out_type = jax.ShapeDtypeStruct((batch, m, n), _DT)
     call = one_warpgroup_kernel(kernel, scratch, out_type, grid=(batch, table.shape[1]), grid_names=("b", "t"))
-    return call(jnp.asarray(table), lhs, rhs, *((extra,) if has_extra else ()))
+    eye = jnp.eye(bn, dtype=_DT) if mirror else jnp.zeros((8, 64), _DT)
+    return call(jnp.asarray(table), eye, lhs, rhs, *((extra,) if has_extra else ()))
 
 
 # ----------------------------------------------------------------------------- the products
