@@ -87,14 +87,15 @@ def _fit(size: int, block: int) -> int:
 
 
 def heuristic_config(g, *, spec) -> NewtonSchulzPallasGpuConfig:
-    """128-wide tiles where the sides allow, else 64; 4 stages (the Gram kernel with its epilogue
+    """128-wide tiles where the sides allow (from 1024 up), else 64; 4 stages (the Gram kernel with its epilogue
     and mirror tiles then fills the 227 KiB of shared memory). The interpreter pays per CTA and
     ring step: 64-wide tiles, 2 stages."""
     del spec
     m, n = sorted(int(d) for d in g.shape[-2:])
     if interpret_enabled():
         return NewtonSchulzPallasGpuConfig(block=64, update_block_m=64, update_block_n=64, stages=2, group_m=2)
-    return NewtonSchulzPallasGpuConfig(block=_fit(m, 128), update_block_m=_fit(m, 128), update_block_n=_fit(n, 128))
+    tile = 128 if m >= 1024 else 64  # small matrices: more, smaller tiles keep more SMs busy
+    return NewtonSchulzPallasGpuConfig(block=_fit(m, tile), update_block_m=_fit(m, tile), update_block_n=_fit(n, tile))
 
 
 def candidate_configs(g, *, spec) -> list[NewtonSchulzPallasGpuConfig]:
