@@ -79,17 +79,63 @@ def test_linear_recurrence_matches_reference(backend, index):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_triton_tree_scan_matches_reference(reverse):
     """The Triton kernel's in-tile tree scan (the GPU's default; the interpreter's default scans
-    rows one by one) over two tiles, the last partial; small: the interpreter runs a tree scan
-    one Python call per element."""
+    rows one by one) in the chained schedule over three chunks, the last partial in time and the
+    second channel block partial (24 = 16 + 8); small: the interpreter runs a tree scan one
+    Python call per element."""
     if "triton" not in BACKENDS:
         pytest.skip("the Triton backend does not run here")
     from forgeax.kernels.triton.linear_recurrence import LinearRecurrenceConfig
 
-    x, a, h0 = _inputs((1, 21, 16), jnp.float32, "mixed", True, seed=17)
-    config = LinearRecurrenceConfig(block_t=16, block_d=16, tile_scan="tree")
+    x, a, h0 = _inputs((1, 21, 24), jnp.float32, "mixed", True, seed=17)
+    config = LinearRecurrenceConfig(block_t=8, block_d=16, vector=2, tile_scan="tree")
     case = conformance.Case("linear_recurrence tiles", _public, _reference, (x, a, h0),
                             {"reverse": reverse, "config": config}, (0, 1, 2))
     conformance.assert_conforms(case, "triton")
+
+
+# (schedule, block_t, chunk_tiles, reverse): T = 45 is 6 tiles of 8 or 12 of 4 (the last partial;
+# more chunks than the carry ring's 4 slots, or 4 chunks of 3 tiles), D = 24 is two channel
+# blocks of 16 (the last partial).
+SCHEDULES = [("chained", 8, 1, False), ("chained", 4, 3, True), ("walk", 8, 1, True)]
+
+
+@pytest.mark.parametrize("schedule,block_t,chunk_tiles,reverse", SCHEDULES, ids=str)
+def test_triton_schedules_match_reference(schedule, block_t, chunk_tiles, reverse):
+    if "triton" not in BACKENDS:
+        pytest.skip("the Triton backend does not run here")
+    from forgeax.kernels.triton.linear_recurrence import LinearRecurrenceConfig
+
+    x, a, h0 = _inputs((1, 45, 24), jnp.bfloat16, "near1", True, seed=19)
+    config = LinearRecurrenceConfig(block_t=block_t, block_d=16, vector=2, schedule=schedule, chunk_tiles=chunk_tiles,
+                                    tile_scan="sequential")
+    case = conformance.Case(f"linear_recurrence {schedule}", _public, _reference, (x, a, h0),
+                            {"reverse": reverse, "config": config}, (0, 1, 2))
+    conformance.assert_conforms(case, "triton")
+
+
+@pytest.mark.skipif(_INTERPRETED, reason="every candidate config compiled for the GPU")
+def test_triton_candidate_configs_match_reference():
+    """Every config the autotuner may pick, on an awkward shape, forward and gradients."""
+    if "triton" not in BACKENDS:
+        pytest.skip("the Triton backend does not run here")
+    from forgeax.kernels.triton.linear_recurrence import candidate_configs
+
+    x, a, h0 = _inputs((3, 1000, 300), jnp.bfloat16, "near1", True, seed=23)
+    for reverse in (False, True):
+        for config in candidate_configs(x, a, h0, reverse=reverse):
+            case = conformance.Case(f"linear_recurrence {config}", _public, _reference, (x, a, h0),
+                                    {"reverse": reverse, "config": config}, (0, 1, 2))
+            conformance.assert_conforms(case, "triton")
+
+
+def test_triton_config_errors_name_the_field():
+    pytest.importorskip("triton")
+    from forgeax.kernels.triton.linear_recurrence import LinearRecurrenceConfig
+
+    for field, value in (("block_t", 24), ("vector", 1), ("schedule", "scan"), ("tile_scan", "fast"),
+                         ("num_warps", 3), ("chunk_tiles", 0)):
+        with pytest.raises(ValueError, match=rf"LinearRecurrenceConfig\.{field}:"):
+            LinearRecurrenceConfig(**{"block_t": 16, "block_d": 16, field: value})
 
 
 @pytest.mark.skipif(_INTERPRETED, reason="the GPU's larger shapes")
