@@ -18,7 +18,8 @@ lhs `[M, K]` rows sorted by group, rhs `[G, K, N]`, group_sizes `[G]` int32.
     ring; the first and last block are masked in SMEM (rows of other groups zeroed in lhs)
     before their wgmma; an empty group stores zeros.
 
-CTAs run in bands of `group_m` row blocks so CTAs resident together share rhs columns in L2.
+CTAs run in bands of `group_m` row blocks (K tiles in `_transposed`) so that CTAs resident
+together share operand tiles in L2.
 Scope: bf16/f16 operands (f32 accumulation, any float output), K and N multiples of 64; M any
 (rows are padded to a block multiple when M is not one).
 """
@@ -269,8 +270,9 @@ def _transposed_call(lhs, dout, groups, *, out_dtype, cfg):
     def kernel(groups_g, lhs_g, dout_g, out_g, a_s, d_s, loaded, o_s):
         pid = lax.axis_index("t")
         gi = lax.div(pid, k_tiles * n_tiles)
-        kt = lax.div(lax.rem(pid, k_tiles * n_tiles), n_tiles)
-        nt = lax.rem(pid, n_tiles)
+        # Within a group, K tiles fastest in bands of group_m: the CTAs resident together read a
+        # few K-tile slabs of lhs and N-tile slabs of dout, each several times, from L2.
+        kt, nt = _band(lax.rem(pid, k_tiles * n_tiles), k_tiles, n_tiles, cfg.group_m)
         start, end, b0, nb = (groups_g[i, gi] for i in range(4))
         kcols = pl.ds(pl.multiple_of(kt * bko, bko), bko)
         ncols = pl.ds(pl.multiple_of(nt * bn, bn), bn)
