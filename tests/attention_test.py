@@ -427,6 +427,25 @@ def test_triton_backward_dq_from_dz_tiles_and_from_its_dq_programs(case, path):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
+def test_triton_dz_tiles_in_head_chunks_equal_one_launch():
+    """The dz^T backward one chunk of query heads at a time (`dz_chunk_bytes`), here one query
+    head per chunk of 2 kv heads x groups of 2 (kv offsets, and a group split across chunks that
+    carries its f32 dk/dv sums): every gradient equals the one-launch backward's bit for bit.
+    Causal T = S = 64 at head_dim 64 (padded 64 x 64 dz^T tiles of 8 KiB per head)."""
+    kwargs = dict(causal=True)
+    args = _qkv(1, 64, 64, 4, 2, 64, jnp.bfloat16, seed=31)
+    whole = _triton_config(args, kwargs, dq_from_dz_tiles=True)
+    chunked = whole.replace(dz_chunk_bytes=64 * 64 * 2, dz_chunk_min_programs=1)
+    ct = jnp.asarray(_rng(4).standard_normal(args[0].shape), jnp.bfloat16)
+    grads = lambda config: jax.grad(lambda *a: jnp.sum(ops.attention(*a, backend="triton", config=config, **kwargs)
+                                                      .astype(jnp.float32) * ct), argnums=(0, 1, 2))(*args)
+    text = jax.jit(grads, static_argnums=0).lower(chunked).as_text()
+    assert text.count("optimization_barrier") == 3, "4 chunks, each after the last one's dq"
+    for name, a, b in zip("qkv", grads(whole), grads(chunked)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"d{name}")
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton not runnable here")
 @pytest.mark.parametrize("tiles", ["small", "wide"])
 def test_triton_explicit_config_tiles_match_reference(tiles):
     """An explicit config reaches the kernels (`resolve_config` returns it as is) and other

@@ -30,7 +30,7 @@ from forgeax.core.config import KernelConfig, TunedConfigs
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.attention import AttentionKernels, AttentionSpec, differentiable_attention
-from forgeax.kernels.triton.attention_backward import backward
+from forgeax.kernels.triton.attention_backward import DZ_TILES_MAX_BYTES, backward
 from forgeax.kernels.triton.attention_forward import forward
 from forgeax.kernels.triton.attention_tiles import padded_dim
 
@@ -58,6 +58,11 @@ class TritonAttentionConfig(KernelConfig):
     tiles and `_dq_kernel` computes dq from them, one matmul per tile (taken only without a bias
     and while the tiles fit `attention_backward.DZ_TILES_MAX_BYTES`; else the dQ programs
     recompute dz). Block sizes are powers of two >= 16 (tl.dot's minimum).
+    `dz_chunk_bytes`: the most memory the dz^T tiles of one chunk of query heads may take (the
+    two launches run per chunk, the chunks reusing one buffer; 512 MiB: Llama-3-8B's causal
+    T8192 N32 / KV8 in 8 chunks of 4 heads instead of 4 GiB at once); `dz_chunk_min_programs`:
+    the fewest dK/dV programs a chunk that splits the kv heads may keep (256: two per SM of a
+    Hopper, covering the causal imbalance). No chunk fits: the dQ programs recompute dz.
     """
 
     block_m: int
@@ -72,6 +77,8 @@ class TritonAttentionConfig(KernelConfig):
     bwd_stages: int
     delta_block_m: int
     dq_from_dz_tiles: bool
+    dz_chunk_bytes: int = 512 << 20
+    dz_chunk_min_programs: int = 256
 
     def validate(self) -> None:
         super().validate()
@@ -89,6 +96,10 @@ class TritonAttentionConfig(KernelConfig):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}.{field}: expected an int >= 1, got {value!r}")
+        for field in ("dz_chunk_bytes", "dz_chunk_min_programs"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}.{field}: expected a positive int, got {value!r}")
         if not isinstance(self.dq_from_dz_tiles, bool):
             raise ValueError(f"{name}.dq_from_dz_tiles: expected a bool, got {self.dq_from_dz_tiles!r}")
 
@@ -195,6 +206,8 @@ def candidate_configs(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropou
     configs += [base.replace(block_m1=m1, block_n1=n1, block_m2=m2, block_n2=n2, bwd_warps=w, bwd_stages=s)
                 for m1, n1, m2, n2, w, s in backwards]
     configs += [base.replace(dq_from_dz_tiles=not base.dq_from_dz_tiles)]
+    if base.dq_from_dz_tiles:  # every head's dz^T tiles at once (the most memory, the fewest launches)
+        configs += [base.replace(dz_chunk_bytes=DZ_TILES_MAX_BYTES)]
     return tuple(dict.fromkeys(configs))
 
 

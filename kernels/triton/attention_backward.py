@@ -10,7 +10,9 @@ and written once in k's dtype. No atomics: deterministic.
 With `TritonAttentionConfig.dq_from_dz_tiles` (and no bias, while the B*N heads' dz^T tiles in
 q's dtype fit `DZ_TILES_MAX_BYTES`), the launch has only the dK/dV programs, which also store
 each dz^T tile they compute (DZT_OUT), and `_dq_kernel` computes dq = scale * dz k from them:
-one matmul per tile where the dQ programs recompute q k^T and dO v^T first.
+one matmul per tile where the dQ programs recompute q k^T and dO v^T first. The pair runs per
+chunk of query heads whose tiles fit `dz_chunk_bytes` (kernels/common/attention_chunks.py),
+the chunks reusing one buffer; a GQA group split across chunks carries f32 dk/dv sums.
 
 With a bias, the dQ half also writes dz = p (dp - D) (before the soft-cap factor) as f32
 [B, N, T, S], zeros on skipped blocks, when the bias has that full extent; a bias broadcast
@@ -25,8 +27,10 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import triton
+from jax import lax
 import triton.language as tl
 
+from forgeax.kernels.common.attention_chunks import HeadChunk, head_chunks
 from forgeax.kernels.triton.attention_tiles import (
     LOG2E, dot, head_hash, head_rows, keep_mask, kernel_statics, key_blocks, logits2, optional_inputs, padded_dim,
     query_block_keys, query_blocks, rule_allows,
@@ -87,7 +91,7 @@ def _row_stats(LSE, DELTA, bn, t, T: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG, DZT,
+def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, dzt_head, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG, DZT,
                T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
                HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr, CAP: tl.constexpr,
                LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_SB: tl.constexpr,
@@ -97,7 +101,7 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
                SP: tl.constexpr, TP: tl.constexpr):
     """One query block's contribution to dk, dv of a key block; tiles are [keys, queries]. DZT_OUT:
     the tile's dz^T (with the soft-cap factor, in q's dtype: what the dk product consumes) also
-    goes to DZT [B*N, SP, TP], for `_dq_kernel`."""
+    goes to DZT [heads, SP, TP] at head `dzt_head` (the chunk's b, n), for `_dq_kernel`."""
     t = start + tl.arange(0, BM)
     qt = head_rows(Q, b.to(tl.int64) * (T * N * H) + n * H, t, tl.arange(0, HP), N * H, T, H, HP, True, True)
     do = head_rows(DO, b.to(tl.int64) * (T * N * HV) + n * HV, t, tl.arange(0, HVP), N * HV, T, HV, HVP, True, False)
@@ -117,7 +121,7 @@ def _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK
         dzt = dzt * (1.0 - tht * tht)
     dzt = dzt.to(qt.dtype)
     if DZT_OUT:  # every row and column lies inside DZT's padded extent (`backward`)
-        tl.store(DZT + (b * N + n).to(tl.int64) * (SP * TP) + s[:, None] * TP + t[None, :], dzt)
+        tl.store(DZT + dzt_head.to(tl.int64) * (SP * TP) + s[:, None] * TP + t[None, :], dzt)
     dk += dot(dzt, tl.trans(qt), DOT)
     return dk, dv
 
@@ -178,7 +182,7 @@ def _dq_step(dq, q, do, lse2, d, start, t, b, n, h_bn, K, V, k_base, v_base, BIA
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DQ, DK, DV, DZ, DZT,
+def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE, DELTA, DKI, DVI, DQ, DK, DV, DZ, DZT,
                 T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, KH: tl.constexpr, H: tl.constexpr,
                 HV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr, SCALE: tl.constexpr,
                 CAP: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -186,27 +190,47 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
                 MASK_SN: tl.constexpr, HAS_SEG: tl.constexpr, DROP: tl.constexpr, THRESH: tl.constexpr,
                 KEEP_SCALE: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr,
                 BN2: tl.constexpr, DOT: tl.constexpr, DZ_OUT: tl.constexpr, DZT_OUT: tl.constexpr,
-                SP: tl.constexpr, TP: tl.constexpr):
+                SP: tl.constexpr, TP: tl.constexpr, K0: tl.constexpr, KC: tl.constexpr, G0: tl.constexpr,
+                GC: tl.constexpr, CARRY_IN: tl.constexpr, CARRY_OUT: tl.constexpr):
+    """Programs (key block | query block, b * N + n); with DZT_OUT only key blocks, of
+    (b * KC + kv head of the chunk): a chunk of query heads (`HeadChunk`: kv heads K0 + [0, KC),
+    of each group the query heads G0 + [0, GC)); dk, dv [B, S, KC, .] then start from DKI, DVI
+    (CARRY_IN) and leave unscaled in f32 when the group continues in the next chunk (CARRY_OUT)."""
     G: tl.constexpr = N // KH
     pid = tl.program_id(0)
     bn = tl.program_id(1)
-    b = bn // N
-    n0 = bn % N
-    kh = n0 // G
+    if DZT_OUT:
+        b = bn // KC
+        kl = bn % KC
+        kh = K0 + kl
+        n0 = kh * G + G0
+        lead = True
+    else:
+        b = bn // N
+        n0 = bn % N
+        kh = n0 // G
+        kl = kh
+        lead = n0 % G == 0
     h = tl.arange(0, HP)
     hv = tl.arange(0, HVP)
     k_base = b.to(tl.int64) * (S * KH * H) + kh * H
     v_base = b.to(tl.int64) * (S * KH * HV) + kh * HV
     NKB: tl.constexpr = (S + BN1 - 1) // BN1
     if pid < NKB:
-        if n0 % G == 0:  # the first query head of its group does the group's dk/dv
+        if lead:  # the first query head of its group (chunk) does the group's dk/dv
             s = pid * BN1 + tl.arange(0, BN1)  # key block 0 (the heaviest under causal) first
             k_mask = (s[:, None] < S) & (h[None, :] < H)
             v_mask = (s[:, None] < S) & (hv[None, :] < HV)
             k = tl.load(K + k_base + s[:, None] * (KH * H) + h[None, :], mask=k_mask, other=0.0)
             v = tl.load(V + v_base + s[:, None] * (KH * HV) + hv[None, :], mask=v_mask, other=0.0)
-            dk = tl.zeros([BN1, HP], dtype=tl.float32)
-            dv = tl.zeros([BN1, HVP], dtype=tl.float32)
+            dk_at = b.to(tl.int64) * (S * KC * H) + kl * H + s[:, None] * (KC * H) + h[None, :]
+            dv_at = b.to(tl.int64) * (S * KC * HV) + kl * HV + s[:, None] * (KC * HV) + hv[None, :]
+            if CARRY_IN:  # the previous chunk's f32 sums: the same additions as one launch
+                dk = tl.load(DKI + dk_at, mask=k_mask, other=0.0)
+                dv = tl.load(DVI + dv_at, mask=v_mask, other=0.0)
+            else:
+                dk = tl.zeros([BN1, HP], dtype=tl.float32)
+                dv = tl.zeros([BN1, HVP], dtype=tl.float32)
             # One loop, every tile position-masked: with separate masked/unmasked loops over the
             # same dk/dv accumulators ptxas serialises the wgmmas (C7515, seen at H=64 and 128).
             # Masking only the tiles the band or a tail crosses through a runtime branch in the
@@ -216,18 +240,24 @@ def _bwd_kernel(Q, K, V, BIAS, MASK, QSEG, KVSEG, SEED, QRANGE, KRANGE, DO, LSE,
             if HAS_SEG:  # the queries this key block's segment ids may reach (`segment_ranges`)
                 lo = tl.maximum(lo, tl.load(KRANGE + (b * NKB + pid) * 3) // BM1 * BM1)
                 hi = tl.minimum(hi, tl.load(KRANGE + (b * NKB + pid) * 3 + 1))
-            for g in range(G):
+            for g in range(GC):
                 n = n0 + g
                 h_bn = 0
                 if DROP:
                     h_bn = head_hash(SEED, b, n, N)
+                dzt_head = (b * KC + kl) * GC + g
                 for start in range(lo, hi, BM1):
-                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, Q, DO, LSE, DELTA, BIAS, MASK, QSEG, KVSEG,
+                    dk, dv = _dkdv_step(dk, dv, k, v, start, s, b, n, h_bn, dzt_head, Q, DO, LSE, DELTA, BIAS, MASK,
+                                        QSEG, KVSEG,
                                         DZT, T, S, N, H, HV, HP, HVP, SCALE, CAP, LEFT, RIGHT, HAS_BIAS, BIAS_SB,
                                         BIAS_SN, HAS_MASK, MASK_SB, MASK_SN, HAS_SEG, DROP, THRESH, KEEP_SCALE, BM1,
                                         DOT, True, DZT_OUT, SP, TP)
-            tl.store(DK + k_base + s[:, None] * (KH * H) + h[None, :], (dk * SCALE).to(DK.dtype.element_ty), mask=k_mask)
-            tl.store(DV + v_base + s[:, None] * (KH * HV) + hv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
+            if CARRY_OUT:
+                tl.store(DK + dk_at, dk, mask=k_mask)
+                tl.store(DV + dv_at, dv, mask=v_mask)
+            else:
+                tl.store(DK + dk_at, (dk * SCALE).to(DK.dtype.element_ty), mask=k_mask)
+                tl.store(DV + dv_at, dv.to(DV.dtype.element_ty), mask=v_mask)
     elif not DZT_OUT:  # (with DZT_OUT the grid has no dQ programs: `_dq_kernel` follows)
         n = n0
         m0 = (tl.num_programs(0) - 1 - pid) * BM2  # the last (heaviest) query block first
@@ -292,17 +322,19 @@ def _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T: tl.const
 def _dq_kernel(K, QSEG, KVSEG, QRANGE, DZT, DQ, T: tl.constexpr, S: tl.constexpr, N: tl.constexpr,
                KH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
                RIGHT: tl.constexpr, HAS_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SP: tl.constexpr,
-               TP: tl.constexpr, DOT: tl.constexpr):
+               TP: tl.constexpr, DOT: tl.constexpr, K0: tl.constexpr, KC: tl.constexpr, GC: tl.constexpr):
     """dq = scale * dz k for a block of BM queries, over the key blocks of `key_blocks`, from the
     dz^T tiles [B*N, SP, TP] `_bwd_kernel` wrote with DZT_OUT: one matmul per tile where its own
-    dQ programs recompute q k^T and dO v^T first (5 matmuls per tile in all instead of 7)."""
+    dQ programs recompute q k^T and dO v^T first (5 matmuls per tile in all instead of 7). The
+    program's head is the chunk's (`_bwd_kernel`): b * KC * GC + i, query head i of the chunk,
+    kv head K0 + i // GC; dq [B, T, KC * GC, H]."""
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM  # the last (heaviest) query block first
     bn = tl.program_id(1)
-    b = bn // N
-    n = bn % N
+    b = bn // (KC * GC)
+    n = bn % (KC * GC)
     t = m0 + tl.arange(0, BM)
     h = tl.arange(0, HP)
-    k_base = b.to(tl.int64) * (S * KH * H) + (n // (N // KH)) * H
+    k_base = b.to(tl.int64) * (S * KH * H) + (K0 + n // GC) * H
     dzt_base = bn.to(tl.int64) * (SP * TP)
     dq = tl.zeros([BM, HP], dtype=tl.float32)
     lo, a, c, hi = query_block_keys(m0, b, QRANGE, BM, BN, T, S, LEFT, RIGHT, HAS_SEG)
@@ -315,7 +347,7 @@ def _dq_kernel(K, QSEG, KVSEG, QRANGE, DZT, DQ, T: tl.constexpr, S: tl.constexpr
     for start in range(c, hi, BN):
         dq = _dq_tile(dq, t, start, b, K, k_base, QSEG, KVSEG, DZT, dzt_base, T, S, KH, H, HP, LEFT, RIGHT, HAS_SEG,
                       BN, TP, DOT, True)
-    _store_dq(DQ, dq, b, n, t, h, T, N, H, SCALE)
+    _store_dq(DQ, dq, b, n, t, h, T, KC * GC, H, SCALE)
 
 
 @triton.jit
@@ -386,7 +418,7 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
              config: TritonAttentionConfig):
     """(dq, dk, dv, dbias or None) of the contract (kernels/common/attention.py)."""
     B, T, N, H = q.shape
-    S, HV = k.shape[1], v.shape[3]
+    S, KH, HV = k.shape[1], k.shape[2], v.shape[3]
     cfg = config
     statics = kernel_statics(q, k, v, bias, mask, q_segment_ids, spec)
     pad = ((0, 0), (0, 0), (0, stat_row_length(T) - T))  # rows past T: empty ones (`_stat_row`)
@@ -402,33 +434,66 @@ def backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, o
     # A bias of the full [B, N] extent takes dz from the dQ programs; a broadcast one its own kernel.
     dz_out = bias is not None and tuple(bias.shape[:2]) == (B, N)
     dz_shape = (B, N, T, S) if dz_out else (1,)
-    dz_tiles = None
-    if bias is None and cfg.dq_from_dz_tiles:
-        dz_tiles = dz_tiles_extent(B, N, T, S, q.dtype, cfg)
-    dzt_out = dz_tiles is not None
-    rows_p, cols_p = dz_tiles or (0, 0)
+    G = N // KH
+    chunks = None
+    if bias is None and cfg.dq_from_dz_tiles and (extent := dz_tiles_extent(B, N, T, S, q.dtype, cfg)) is not None:
+        rows_p, cols_p = extent  # the chunks of query heads whose tiles take turns in one buffer
+        chunks = head_chunks(B, KH, G, triton.cdiv(S, cfg.block_n1), B * rows_p * cols_p * jnp.dtype(q.dtype).itemsize,
+                             cfg.dz_chunk_bytes, cfg.dz_chunk_min_programs)
+    dzt_out = chunks is not None
+    rows_p, cols_p = extent if dzt_out else (0, 0)
     optional = optional_inputs(bias, mask, q_segment_ids, kv_segment_ids, dropout_seed,
                                query_block=cfg.block_m2, key_block=cfg.block_n1)
-    dq, dk, dv, dz, dzt = triton_call(
-        q, k, v, *optional, dout.astype(q.dtype), lse, delta,
-        kernel=_bwd_kernel,
-        out_shape=(jax.ShapeDtypeStruct((1,) if dzt_out else q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dz_shape, jnp.float32),
-                   jax.ShapeDtypeStruct((B * N * rows_p * cols_p,) if dzt_out else (1,), q.dtype)),
-        grid=(triton.cdiv(S, cfg.block_n1) + (0 if dzt_out else triton.cdiv(T, cfg.block_m2)), B * N),
-        num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-        BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, DZ_OUT=dz_out, DZT_OUT=dzt_out,
-        SP=rows_p, TP=cols_p, **statics,
-    )
-    if dzt_out:
-        _, _, qseg, kvseg, _, qrange, _ = optional
-        dq = triton_call(
-            k, qseg, kvseg, qrange, dzt, kernel=_dq_kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-            grid=(triton.cdiv(T, cfg.block_m2), B * N), num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-            BM=cfg.block_m2, BN=cfg.block_n2, SP=rows_p, TP=cols_p,
-            **{name: statics[name] for name in ("T", "S", "N", "KH", "H", "HP", "SCALE", "LEFT", "RIGHT", "HAS_SEG",
-                                                "DOT")},
+    do = dout.astype(q.dtype)
+
+    def launch(c: HeadChunk, carried):
+        """_bwd_kernel for chunk c (every head at once without dz^T tiles)."""
+        dkv_dt = (jnp.float32,) * 2 if c.carry_out else (k.dtype, v.dtype)
+        return triton_call(
+            q, k, v, *optional, do, lse, delta, *(carried or (jnp.zeros((1,), jnp.float32),) * 2),
+            kernel=_bwd_kernel,
+            out_shape=(jax.ShapeDtypeStruct((1,) if dzt_out else q.shape, q.dtype),
+                       jax.ShapeDtypeStruct((B, S, c.kv, H), dkv_dt[0]), jax.ShapeDtypeStruct((B, S, c.kv, HV), dkv_dt[1]),
+                       jax.ShapeDtypeStruct(dz_shape, jnp.float32),
+                       jax.ShapeDtypeStruct((B * c.heads * rows_p * cols_p,) if dzt_out else (1,), q.dtype)),
+            grid=(triton.cdiv(S, cfg.block_n1) + (0 if dzt_out else triton.cdiv(T, cfg.block_m2)),
+                  B * (c.kv if dzt_out else N)),
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            BM1=cfg.block_m1, BN1=cfg.block_n1, BM2=cfg.block_m2, BN2=cfg.block_n2, DZ_OUT=dz_out, DZT_OUT=dzt_out,
+            SP=rows_p, TP=cols_p, K0=c.k0, KC=c.kv, G0=c.g0, GC=c.g, CARRY_IN=c.carry_in, CARRY_OUT=c.carry_out,
+            **statics,
         )
+
+    if not dzt_out:
+        dq, dk, dv, dz, _ = launch(HeadChunk(0, KH, 0, G, G), None)
+    else:
+        # One chunk at a time; each waits for the previous chunk's dq (an optimization barrier),
+        # so its dz^T tiles are dead before the next chunk's are written: XLA gives them one buffer.
+        _, _, qseg, kvseg, _, qrange, _ = optional
+        dqs, dks, dvs = {}, {}, {}
+        carried = dq_c = None
+        for c in chunks:
+            if dq_c is not None:
+                q = lax.optimization_barrier((q, dq_c))[0]
+            _, dk_c, dv_c, dz, dzt = launch(c, carried)
+            dq_c = triton_call(
+                k, qseg, kvseg, qrange, dzt, kernel=_dq_kernel,
+                out_shape=jax.ShapeDtypeStruct((B, T, c.heads, H), q.dtype),
+                grid=(triton.cdiv(T, cfg.block_m2), B * c.heads), num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+                BM=cfg.block_m2, BN=cfg.block_n2, SP=rows_p, TP=cols_p, K0=c.k0, KC=c.kv, GC=c.g,
+                **{name: statics[name] for name in ("T", "S", "N", "KH", "H", "HP", "SCALE", "LEFT", "RIGHT",
+                                                    "HAS_SEG", "DOT")},
+            )
+            dqs.setdefault(c.k0, []).append(dq_c.reshape(B, T, c.kv, c.g, H))
+            carried = (dk_c, dv_c) if c.carry_out else None
+            if not c.carry_out:
+                dks[c.k0], dvs[c.k0] = dk_c, dv_c
+        if len(chunks) == 1:
+            dq, dk, dv = dq_c, dk_c, dv_c
+        else:  # the chunks' results in head order: one copy each
+            dq = jnp.concatenate([jnp.concatenate(dqs[k0], axis=3) for k0 in sorted(dqs)], axis=2).reshape(B, T, N, H)
+            dk = jnp.concatenate([dks[k0] for k0 in sorted(dks)], axis=2)
+            dv = jnp.concatenate([dvs[k0] for k0 in sorted(dvs)], axis=2)
     dbias = dz if dz_out else None
     if bias is not None and not dz_out:
         Bb, Nb = bias.shape[:2]

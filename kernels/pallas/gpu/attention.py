@@ -160,6 +160,7 @@ def candidate_configs(*args, **kwargs) -> list[AttentionConfig]:
              dict(persistent_dkv=not base.persistent_dkv)]
     if base.dz_tiles:
         flips.append(dict(persistent_dq_from_dz=not base.persistent_dq_from_dz))
+        flips.append(dict(dz_chunk_bytes=base.dz_tiles_max_bytes))  # every head's tiles at once
     if base.one_dkv_launch:
         flips.append(dict(dkv_fa3_order=not base.dkv_fa3_order))
     if H[0] <= 128:

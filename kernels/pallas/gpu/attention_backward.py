@@ -33,10 +33,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.attention import AttentionSpec
+from forgeax.kernels.common.attention_chunks import HeadChunk, head_chunks
 from forgeax.kernels.pallas.gpu.attention_tiles import (
-    LOG2E, Band, HeadChunk, PackedTiles, Tails, Tile, allowed, backward_barriers, block_transforms, cap_grad,
-    exp2_scaled, head_chunks, key_block_producer, ring_stages, scores, segment_ids, segment_inputs,
-    staging_and_segment_buffers, tails_of, three_loops, tile_schedule,
+    LOG2E, Band, PackedTiles, Tails, Tile, allowed, backward_barriers, block_transforms, cap_grad, exp2_scaled,
+    key_block_producer, ring_stages, scores, segment_ids, segment_inputs, staging_and_segment_buffers, tails_of,
+    three_loops, tile_schedule,
 )
 from forgeax.kernels.pallas.gpu.warpgroups import (
     CTA, F32, FIRST_NAMED_BARRIER, ROWS, WGS, Mma, SlotFree, bcast, i32, launch, warp_specialized, zeros,
