@@ -62,6 +62,24 @@ def test_triton_linear_recurrence_lowers_for_sm90(shape, dtype, reverse, with_h0
     assert backward.count(TRITON) == 2  # the forward (residual h) and the fused backward
 
 
+@needs_compiled_triton
+@pytest.mark.parametrize("fields", [dict(schedule="walk", block_t=32, block_d=64, vector=2, num_warps=1),
+                                    dict(chunk_tiles=2), dict(vector=8, num_warps=4)], ids=str)
+def test_triton_linear_recurrence_schedules_lower_for_sm90(fields):
+    """The schedules and layouts beside the default (candidate configs) at the benchmark shape."""
+    from forgeax.kernels.triton import linear_recurrence as module
+
+    x = jax.ShapeDtypeStruct((8, 16384, 4096), jnp.bfloat16)
+    config = module.heuristic_config(x, x, None, reverse=True).replace(**fields)
+
+    def forward(x, a):
+        return module.LINEAR_RECURRENCE.fn(x, a, None, reverse=True, config=config)
+
+    backward = lambda x, a, g: jax.vjp(forward, x, a)[1](g)  # noqa: E731
+    assert conformance.lowered_text(forward, x, x, platform="cuda").count(TRITON) == 1
+    assert conformance.lowered_text(backward, x, x, x, platform="cuda").count(TRITON) == 2
+
+
 @pytest.mark.parametrize("shape,dtype,reverse,with_h0", RECURRENCE_CASES, ids=str)
 def test_pallas_tpu_linear_recurrence_lowers_for_tpu(shape, dtype, reverse, with_h0):
     from forgeax.kernels.pallas.tpu import linear_recurrence as module
