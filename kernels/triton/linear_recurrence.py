@@ -16,7 +16,9 @@ gives each row's (A, X) from the tile start, so h = A * carry + X (rows past T a
     reach memory. chunk_tiles > 1 scans the chunk twice, the second read from L2.
   * "walk": program (b, j) walks all of T for its channels, the carry in registers, the next
     tile's loads issued before this tile's arithmetic (only B * D / BLOCK_D programs).
-Every input element is read once from memory and every output element written once.
+Every input element is read once from memory and every output element written once. With
+block_d = 32 * vector * num_warps each thread holds `vector` whole columns of a tile, so the scan
+runs in its registers (see _lanes).
 
 The backward is the same recurrence run the other way: dh_t = g_t + a_{t+1} dh_{t+1} (a read one
 step ahead of g), dx_t = dh_t, da_t = dh_t h_{t-1} (h read one step behind, h0 at the edge), and
