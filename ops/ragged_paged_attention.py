@@ -96,7 +96,8 @@ def ragged_paged_attention(
       causal: mask keys after each query's position (default True, what serving needs).
       window: `(left, right)` as in ops.attention (right is 0 when causal).
       backend: None (the best for the platform), "xla" (the reference: gathers each row's pages),
-        "triton" (GPU: query tiles of each sequence x kv heads, online softmax over its pages),
+        "triton" (GPU, one launch: query tiles of each prefill x kv heads, online softmax over its
+        pages; decodes (q_len x G <= 16 rows) as split-K runs over their keys, merged by lse),
         "pallas_tpu" (Mosaic TPU, scalar-prefetched tables).
       config: a kernel config of the chosen backend.
 

@@ -51,7 +51,11 @@ def test_triton_lowers_for_sm90(case):
     args = _args(*case[:-1])
     configs = [impl.heuristic_config(*args, spec=spec)]
     if case is CASES[0]:
+        # The candidates whose kernels differ in structure (tile rows, with or without the split
+        # decode branch); the others change block sizes and stages of the same code (CPU time).
         configs = impl.candidate_configs(*args, spec=spec)
+        configs = [c for i, c in enumerate(configs)
+                   if (c.split_decodes, c.block_q) not in {(d.split_decodes, d.block_q) for d in configs[:i]}]
     for config in configs:
         text = conformance.lowered_text(lambda *a, config=config: impl.fn(*a, spec=spec, config=config), *args,
                                         platform="cuda")

@@ -21,6 +21,7 @@ from forgeax import core as interface
 from forgeax import ops
 from forgeax.kernels.common.attention import AttentionSpec
 from forgeax.kernels.xla import ragged_paged_attention as reference
+from forgeax.testing import _upcast
 
 BACKENDS = [b for b in conformance.runnable_backends("ragged_paged_attention") if b != "xla"]
 _TRITON_INTERPRETED = interface.current_platform() == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -225,3 +226,47 @@ def test_jit_with_changing_lengths_does_not_recompile():
     second = run(q, k_pages, v_pages, cu.at[1].set(30), jnp.maximum(kv_lens - 1, 0), table)
     assert len(traces) == 1
     assert not np.array_equal(np.asarray(first), np.asarray(second))
+
+
+# The Triton backend routes sequences with 1 <= q_len <= decode_max_q to split decode runs (lse
+# merged) and cuts the others into tiles. At decode_max_q = 2: q_len 2 (the boundary, also over
+# one key, its first query at position -1) and 1 take the split path, 3 the tiles, 0 neither;
+# kv_len 0 on both sides. More runs than a short decode has key blocks leaves runs empty. Then,
+# under the same trace, new values: the 3-query chunk becomes a decode, a decode becomes a
+# 3-query chunk, the 5-query prefill a decode, lengths move.
+BOUNDARY = ((2, 20), (3, 21), (1, 17), (0, 9), (2, 0), (1, 0), (2, 1), (5, 18))
+BOUNDARY_NEXT = ((2, 20), (2, 21), (3, 17), (0, 9), (2, 0), (1, 0), (2, 1), (1, 18))
+
+
+def _triton_config(args, **fields):
+    from forgeax.kernels.triton import ragged_paged_attention as triton_rpa  # noqa: PLC0415
+
+    spec = AttentionSpec(causal=True, scale=args[0].shape[-1] ** -0.5, window_right=0)
+    return triton_rpa.RAGGED_PAGED_ATTENTION.heuristic_config(*args, spec=spec).replace(**fields)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton backend's decode/tile routing")
+@pytest.mark.parametrize("fields", [dict(decode_max_q=2, decode_splits=3), dict(split_decodes=False)],
+                         ids=["max_q2_splits3", "tiles_only"])
+def test_triton_decode_threshold_boundary_and_changing_lengths(fields):
+    args = _make(BOUNDARY, heads=8, kv_heads=2, pad=3, seed=5)
+    q, k_pages, v_pages, cu, kv_lens, table = args
+    options = dict(window=(24, 0), logit_soft_cap=5.0)
+    config = _triton_config(args, decode_block_k=16, **fields)
+    traces = []
+
+    @jax.jit
+    def run(*a):
+        traces.append(1)
+        return ops.ragged_paged_attention(*a, backend="triton", config=config, **options)
+
+    q_lens = np.array([s[0] for s in BOUNDARY_NEXT], np.int32)
+    cu_next = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+    lens_next = jnp.asarray([s[1] for s in BOUNDARY_NEXT], jnp.int32)
+    for a in (args, (q, k_pages, v_pages, cu_next, lens_next, table)):
+        out = run(*a)
+        assert np.isfinite(np.asarray(out)).all()
+        assert conformance.relative_error(out, _reference(*_upcast(a), **options)) < 1e-5
+        T = int(a[3][-1])
+        assert np.all(np.asarray(out[T:]) == 0), "rows past cu_q_lens[-1] must be 0"
+    assert len(traces) == 1
