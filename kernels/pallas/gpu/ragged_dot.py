@@ -38,9 +38,8 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.ragged_dot import RaggedDotSpec, differentiable_ragged_dot, group_bounds
-from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
-from forgeax.kernels.pallas.gpu.warpgroups import F32, transforms
-from forgeax.kernels.pallas.interpret import without_effects
+from forgeax.kernels.pallas.gpu import gpu_refusal
+from forgeax.kernels.pallas.gpu.warpgroups import F32, k_block, one_warpgroup_kernel, tma_wgmma_loop, transforms
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ALIGN = 64  # K and N multiples: one 128-byte swizzled row of 16-bit elements
@@ -112,20 +111,8 @@ def _band(pid, items: int, tiles: int, group_m: int):
     return first + lax.rem(lax.rem(pid, per_band), size), lax.div(lax.rem(pid, per_band), size)
 
 
-def _launch(name: str, kernel, scratch, out_type, ctas: int):
-    call = plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(ctas,),
-        grid_names=("t",),
-        compiler_params=plgpu.CompilerParams(),
-        interpret=interpret_params(),
-        kernel_name=name,
-    )
-    if interpret_enabled():  # the interpreter's effects would block jax.checkpoint: hide them
-        call = without_effects(call, out_type)
-    return call
+def _launch(kernel, scratch, out_type, ctas: int):
+    return one_warpgroup_kernel(kernel, scratch, out_type, grid=(ctas,), grid_names=("t",))
 
 
 # ----------------------------------------------------------------------------- forward
@@ -177,30 +164,16 @@ def _forward_call(lhs, rhs, items, blocks, *, n, out_dtype, transpose_rhs, cfg):
             grp, lo, hi = items_g[0, it], items_g[2, it], items_g[3, it]
 
             def fetch(step, slot):
-                kk = pl.ds(step * bk if isinstance(step, int) else pl.multiple_of(step * bk, bk), bk)
+                kk = k_block(step, bk)
                 plgpu.copy_gmem_to_smem(lhs_g.at[rows, kk], a_s.at[slot], loaded.at[slot])
                 b = rhs_g.at[grp, cols, kk] if transpose_rhs else rhs_g.at[grp, kk, cols]
                 plgpu.copy_gmem_to_smem(b, b_s.at[slot], loaded.at[slot])
 
             def mac(acc):
-                @pl.when(grp < g)  # the zero tail reads no rhs
-                def _():
-                    for s in range(min(stages, nk)):  # the prologue fills the ring
-                        fetch(s, s)
+                def issue(slot):
+                    plgpu.wgmma(acc, a_s.at[slot], b_s.at[slot].transpose((1, 0)) if transpose_rhs else b_s.at[slot])
 
-                    def step(ks, _):
-                        slot = lax.rem(ks, stages)
-                        plgpu.barrier_wait(loaded.at[slot])
-                        b = b_s.at[slot].transpose((1, 0)) if transpose_rhs else b_s.at[slot]
-                        plgpu.wgmma(acc, a_s.at[slot], b)
-                        plgpu.wgmma_wait(1)  # the wgmma of step ks-1 retired: its slot may be refilled
-
-                        @pl.when((ks >= 1) & (ks - 1 + stages < nk))
-                        def _():
-                            fetch(ks - 1 + stages, lax.rem(ks - 1, stages))
-
-                    lax.fori_loop(0, nk, step, None)
-
+                pl.when(grp < g)(lambda: tma_wgmma_loop(fetch, issue, nk, stages, loaded))  # the zero tail reads no rhs
                 return acc[...]  # waits for every wgmma: the ring is free for the next visit
 
             acc = pl.run_scoped(mac, plgpu.ACC((bm, bn), F32))
@@ -237,8 +210,7 @@ def _forward_call(lhs, rhs, items, blocks, *, n, out_dtype, transpose_rhs, cfg):
         plgpu.SMEM((bm, bn), out_dtype, transforms=transforms(out_dtype)),
     )
     out_type = jax.ShapeDtypeStruct((mp, n), out_dtype)
-    name = "ragged_dot_dlhs" if transpose_rhs else "ragged_dot_forward"
-    return _launch(name, kernel, scratch, out_type, n_blocks * tiles)(items, blocks, lhs, rhs)
+    return _launch(kernel, scratch, out_type, n_blocks * tiles)(items, blocks, lhs, rhs)
 
 
 def _pad_rows(x, multiple: int):
@@ -282,34 +254,21 @@ def _transposed_call(lhs, dout, groups, *, out_dtype, cfg):
             plgpu.copy_gmem_to_smem(lhs_g.at[rows, kcols], a_s.at[slot], loaded.at[slot])
             plgpu.copy_gmem_to_smem(dout_g.at[rows, ncols], d_s.at[slot], loaded.at[slot])
 
+        def mask(slot, i):
+            row0 = (b0 + i) * br
+
+            @pl.when((row0 < start) | (row0 + br > end))
+            def _():  # a block shared with another group: zero the other group's lhs rows
+                tile = a_s.at[slot]
+                rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (br, bko), 0), plgpu.Layout.WGMMA) + row0
+                tile[...] = tile[...] * ((rows >= start) & (rows < end)).astype(dt)
+                plgpu.commit_smem()
+
         def mac(acc):
-            @pl.when(nb > 0)  # an empty group stores zeros
-            def _():
-                for s in range(stages):
-                    pl.when(s < nb)(lambda s=s: fetch(s, s))
+            def issue(slot):
+                plgpu.wgmma(acc, a_s.at[slot].transpose((1, 0)), d_s.at[slot])
 
-                def step(i, _):
-                    slot = lax.rem(i, stages)
-                    plgpu.barrier_wait(loaded.at[slot])
-                    row0 = (b0 + i) * br
-
-                    @pl.when((row0 < start) | (row0 + br > end))
-                    def _():  # a block shared with another group: zero the other group's lhs rows
-                        tile = a_s.at[slot]
-                        rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (br, bko), 0), plgpu.Layout.WGMMA) + row0
-                        keep = ((rows >= start) & (rows < end)).astype(dt)
-                        tile[...] = tile[...] * keep
-                        plgpu.commit_smem()
-
-                    plgpu.wgmma(acc, a_s.at[slot].transpose((1, 0)), d_s.at[slot])
-                    plgpu.wgmma_wait(1)  # the wgmma of step i-1 retired: its slot may be refilled
-
-                    @pl.when((i >= 1) & (i - 1 + stages < nb))
-                    def _():
-                        fetch(i - 1 + stages, lax.rem(i - 1, stages))
-
-                lax.fori_loop(0, nb, step, None)
-
+            tma_wgmma_loop(fetch, issue, nb, stages, loaded, prepare=mask)  # an empty group: no steps, zeros
             return acc[...]
 
         acc = pl.run_scoped(mac, plgpu.ACC((bko, bn), F32))
@@ -326,7 +285,7 @@ def _transposed_call(lhs, dout, groups, *, out_dtype, cfg):
         plgpu.SMEM((bko, bn), out_dtype, transforms=transforms(out_dtype)),
     )
     out_type = jax.ShapeDtypeStruct((g, k, n), out_dtype)
-    return _launch("ragged_dot_transposed", kernel, scratch, out_type, g * k_tiles * n_tiles)(groups, lhs, dout)
+    return _launch(kernel, scratch, out_type, g * k_tiles * n_tiles)(groups, lhs, dout)
 
 
 def group_blocks(group_sizes: jax.Array, m: int, block: int) -> jax.Array:

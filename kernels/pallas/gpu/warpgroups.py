@@ -369,18 +369,27 @@ def k_block(step, size: int):
     return pl.ds(step * size if isinstance(step, int) else pl.multiple_of(step * size, size), size)
 
 
-def tma_wgmma_loop(fetch, issue, steps: int, stages: int, loaded):
+def tma_wgmma_loop(fetch, issue, steps, stages: int, loaded, prepare=None):
     """The K loop of a one-warpgroup matmul over a `stages`-deep TMA ring: fetch(step, slot)
     issues the TMA copies of K step `step` onto `loaded[slot]`, issue(slot) the wgmmas that read
     the slot. The prologue fills the ring; `wgmma_wait(1)` after step k's wgmmas retires step
     k-1's, whose slot is then refilled with step k-1+stages (refilling the slot a wgmma still
-    reads is a race only the GPU shows). The caller's `acc[...]` waits for the last wgmmas."""
-    for s in range(min(stages, steps)):
-        fetch(s, s)
+    reads is a race only the GPU shows). The caller's `acc[...]` waits for the last wgmmas.
+    steps: a Python int, or a traced count (the prologue's copies then run under pl.when).
+    prepare(slot, k), if given, runs once step k's copies have landed, before its wgmmas (e.g.
+    masking rows of the slot in SMEM; it must end with plgpu.commit_smem())."""
+    if isinstance(steps, int):
+        for s in range(min(stages, steps)):
+            fetch(s, s)
+    else:
+        for s in range(stages):
+            pl.when(s < steps)(functools.partial(fetch, s, s))
 
     def step(k, _):
         slot = lax.rem(k, stages)
         plgpu.barrier_wait(loaded.at[slot])
+        if prepare is not None:
+            prepare(slot, k)
         issue(slot)
         plgpu.wgmma_wait(1)
 
