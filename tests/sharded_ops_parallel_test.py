@@ -336,3 +336,66 @@ def test_gpu_kernels_split_rows_without_gathering(op, backend, sharding):
     except Exception as e:  # noqa: BLE001 - the op has no such backend (UnsupportedError)
         pytest.skip(f"{op} on {backend}: {e}")
     _check_op(fn, arrays, SHARDINGS[sharding], weight, hlo=True)
+
+
+# ----------------------------------------------------------------------------- heads-sharded (tensor parallelism)
+
+# [B, T, N, H] with the heads axis N split over "seq" (the second mesh axis): GQA with 8 query
+# and 4 kv heads keeps whole groups on a device when both split the same number of ways.
+HEADS = {"heads": P(None, None, "seq"), "batch_heads": P("data", None, "seq")}
+
+
+def _heads_attention_case(backend, bias_shape):
+    q, k, v = _row_inputs(20, (4, 6, 8, 32)), _row_inputs(21, (4, 6, 4, 32)), _row_inputs(22, (4, 6, 4, 32))
+    bias = _row_inputs(23, bias_shape)
+    fn = lambda q, k, v, bias: jnp.sum(jnp.cos(ops.attention(q, k, v, bias=bias, causal=True, backend=backend)))  # noqa: E731
+    return fn, (q, k, v, bias)
+
+
+def _check_heads(fn, arrays, spec, weight_elements):
+    mesh = _mesh()
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    bias = arrays[3]
+    bias_spec = P(spec[0] if bias.shape[0] == arrays[0].shape[0] else None, "seq" if bias.shape[1] == arrays[0].shape[2] else None)
+    sharded = tuple(put(a, spec) for a in arrays[:3]) + (put(bias, bias_spec),)
+    value_and_grad = jax.value_and_grad(fn, argnums=(0, 1, 2, 3))
+    got = jax.jit(value_and_grad)(*sharded)
+    _assert_same(got, jax.jit(value_and_grad)(*arrays))
+    assert got[1][0].sharding.spec == sharded[0].sharding.spec
+    assert_no_activation_collectives(value_and_grad, *sharded, weight_elements=weight_elements)
+
+
+@pytest.mark.parametrize("sharding", HEADS)
+@pytest.mark.parametrize("bias_shape", [(1, 1, 6, 6), (4, 8, 6, 6)])
+def test_attention_shell_splits_the_heads(sharding, bias_shape):
+    # xla_chunked runs through the shared attention shell's launch split (kernels/common/attention.py);
+    # a bias broadcast over batch and heads is replicated and its gradient all-reduced (36 values).
+    fn, arrays = _heads_attention_case("xla_chunked" if not ON_GPU else "triton", bias_shape)
+    _check_heads(fn, arrays, HEADS[sharding], 36)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs >= 2 GPUs (interpreted kernels are not partitioned)")
+@pytest.mark.parametrize("backend", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("sharding", HEADS)
+def test_gpu_attention_kernels_split_the_heads(backend, sharding):
+    fn, arrays = _heads_attention_case(backend, (1, 8, 6, 6))
+    try:
+        jax.jit(fn).lower(*arrays)
+    except Exception as e:  # noqa: BLE001 - the backend refuses this call (UnsupportedError)
+        pytest.skip(f"attention on {backend}: {e}")
+    _check_heads(fn, arrays, HEADS[sharding], 36)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs >= 2 GPUs (interpreted kernels are not partitioned)")
+@pytest.mark.parametrize("sharding", HEADS)
+def test_gpu_rope_kernels_split_the_heads(sharding):
+    q, k = _row_inputs(24, (4, 6, 8, 64)), _row_inputs(25, (4, 6, 4, 64))
+    pos = jnp.asarray(np.random.default_rng(26).integers(0, 1000, (4, 6)), jnp.int32)
+    fn = lambda q, k, pos: sum(jnp.sum(a * jnp.cos(a)) for a in ops.rope_qk(q, k, pos, backend="triton"))  # noqa: E731
+    mesh = _mesh()
+    spec = HEADS[sharding]
+    sharded = (jax.device_put(q, NamedSharding(mesh, spec)), jax.device_put(k, NamedSharding(mesh, spec)),
+               jax.device_put(pos, NamedSharding(mesh, P(spec[0]))))
+    value_and_grad = jax.value_and_grad(fn, argnums=(0, 1))
+    _assert_same(jax.jit(value_and_grad)(*sharded), jax.jit(value_and_grad)(q, k, pos))
+    assert_no_activation_collectives(value_and_grad, *sharded, weight_elements=1)

@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forgeax.kernels.common.batching import ManualAxes, fold_vmap_into_rows
-from forgeax.kernels.common.partitioning import ROWS, SUM, WHOLE, rowwise
+from forgeax.kernels.common.partitioning import split_launch
 
 Array = jax.Array
 
@@ -224,18 +224,34 @@ def _batch_args(q: Array, bias: Array | None, mask: Array | None, dropout: bool)
 
 
 def _by_batch(fn: Callable[..., Any], spec: "AttentionSpec", backward: bool) -> Callable[..., Any]:
-    """fn as a launch the SPMD partitioner splits over the batch axis (kernels/common/partitioning.py):
-    a batch-sharded call runs each device's own batch elements. A bias broadcast over the batch is
-    replicated and its gradient summed over devices. Dropout hashes the global batch index: not split."""
+    """fn as a launch the SPMD partitioner splits over the batch and heads axes
+    (kernels/common/partitioning.py `split_launch`): a batch- and/or heads-sharded call runs each
+    device's own batch elements and heads (query and kv heads split the same number of ways, so
+    GQA groups stay on one device). A bias / mask with the batch (heads) axis is split with it;
+    one broadcast over it is replicated and its gradient summed over devices. Dropout hashes the
+    global batch and head indices: not split."""
     if spec.dropout_rate > 0:
         return fn
 
     def launch(*args):
         q, _, _, bias, mask = args[:5]
-        own = lambda a: ROWS if a is not None and a.shape[0] == q.shape[0] else WHOLE  # noqa: E731
-        kinds = (ROWS, ROWS, ROWS, own(bias), own(mask), ROWS, ROWS, WHOLE) + (ROWS,) * (len(args) - 8)
-        outs = (ROWS, ROWS, ROWS, SUM if own(bias) == WHOLE else ROWS) if backward else (ROWS, ROWS)
-        return rowwise(fn, kinds, outs)(*args)
+        heads = ("b", None, "h", None)  # q, k, v, out, dout [B, T, N, H]
+        rows = ("b", "h", None)  # lse, dlse [B, N, T]
+
+        def table(a):  # bias / mask [Bb, Nb, T, S]
+            if a is None:
+                return ()
+            return ("b" if a.shape[0] == q.shape[0] else None, "h" if a.shape[1] == q.shape[2] else None, None, None)
+
+        seed = () if args[7] is None else (None,) * jnp.ndim(args[7])
+        dims = (heads, heads, heads, table(bias), table(mask), ("b", None), ("b", None), seed)
+        if backward:
+            dims += (heads, rows, heads, rows)
+            summed = tuple(lab for lab in ("b", "h") if bias is not None and lab not in table(bias))
+            outs = ((heads, ()), (heads, ()), (heads, ()), (table(bias) or (None,) * 4, summed))
+        else:
+            outs = ((heads, ()), (rows, ()))
+        return split_launch(fn, dims, outs)(*args)
 
     return launch
 

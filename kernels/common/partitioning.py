@@ -316,3 +316,111 @@ def _vocab_rule(kinds, okinds, in_ranks, out_ranks, row_ndim):
     rhs = ", ".join(dims(k, r, f"o{j}") for j, (k, r) in enumerate(zip(okinds, out_ranks)))
     reduced = () if any(k in has_v for k in okinds) or not any(k in has_v for k in kinds) else ("v",)
     return f"{lhs} -> {rhs}", tuple(private), reduced
+
+
+# ----------------------------------------------------------------------------- named axes (batch, heads)
+
+
+def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequence[Any]):
+    """`fn(*args) -> tuple` as a launch the SPMD partitioner splits along named axes.
+
+    arg_dims: per argument (None arguments allowed, skipped), a tuple naming each axis: a label
+    such as "b" (batch), "t" (tokens), "h" (heads), or None (kept whole). A label is split over
+    the mesh axes that shard it in the first argument that has it, when every argument and output
+    with that label divides evenly (else it stays whole); all arrays with a label are split the
+    same way (e.g. GQA: query and kv heads split the same number of ways, so a device's query
+    heads read its own kv heads). out_dims: per output, (dims, summed): `summed` the labels the
+    output is a sum over (a broadcast bias' gradient), all-reduced over their mesh axes. `fn`
+    sees local arrays of the same rank. Unsharded calls lower to fn; inside shard_map and for
+    interpreted kernels, fn itself (see `rowwise`)."""
+    arg_dims, out_dims = tuple(arg_dims), tuple(out_dims)
+
+    def call(*args):
+        if interpret_enabled() or jax.sharding.get_abstract_mesh().manual_axes:
+            return fn(*args)
+        present = [i for i, a in enumerate(args) if a is not None]
+        scalar = [args[i].ndim == 0 for i in present]
+        given = [args[i].reshape(1) if sc else args[i] for i, sc in zip(present, scalar)]  # rules need rank >= 1
+        dims = [(None,) if sc else tuple(arg_dims[i]) for i, sc in zip(present, scalar)]
+
+        def full(*xs):
+            out = [None] * len(args)
+            for i, x, sc in zip(present, xs, scalar):
+                out[i] = x.reshape(()) if sc else x
+            return out
+
+        closed = jax.make_jaxpr(lambda *xs: tuple(fn(*full(*xs))))(*given)
+        out_avals = closed.out_avals
+        live = [j for j, a in enumerate(jax.eval_shape(lambda *xs: tuple(fn(*full(*xs))), *given)) if a is not None]
+        odims = [(tuple(out_dims[j][0]), tuple(out_dims[j][1])) for j in live]
+        consts = [jnp.asarray(c) for c in closed.consts]
+        n = len(given)
+        all_dims = dims + [(None,) * c.ndim for c in consts]
+        shapes = [a.shape for a in given] + [c.shape for c in consts]
+
+        def global_fn(*xs):
+            return tuple(jax.core.eval_jaxpr(closed.jaxpr, list(xs[n:]), *xs[:n]))
+
+        def labels_of(mesh, arg_shapes):
+            """label -> mesh axes (a name or tuple) it is split over, None when whole."""
+            split, used = {}, set()
+            for shape, ds in zip(arg_shapes, all_dims):
+                spec = tuple(shape.sharding.spec) if isinstance(shape.sharding, NamedSharding) else ()
+                spec = spec + (None,) * (len(ds) - len(spec))
+                for axes, label in zip(spec, ds):
+                    if label is None or label in split:
+                        continue
+                    names = _names((axes,))
+                    ways = math.prod(mesh.shape[a] for a in names) if names else 1
+                    sizes = [s[k] for s, d in zip(shapes, all_dims) for k, lab in enumerate(d) if lab == label]
+                    sizes += [a.shape[k] for a, (d, _) in zip(out_avals, odims) for k, lab in enumerate(d) if lab == label]
+                    if names and not set(names) & used and all(size % ways == 0 for size in sizes):
+                        split[label] = names if len(names) > 1 else names[0]
+                        used |= set(names)
+                    else:
+                        split[label] = None
+            return split
+
+        def shardings(mesh, split, which):
+            return [NamedSharding(mesh, PartitionSpec(*(split.get(lab) if lab else None for lab in ds))) for ds in which]
+
+        def infer(mesh, arg_shapes, result_shape):
+            del result_shape
+            return tuple(shardings(mesh, labels_of(mesh, arg_shapes), [d for d, _ in odims]))
+
+        def partition(mesh, arg_shapes, result_shape):
+            del result_shape
+            split = labels_of(mesh, arg_shapes)
+
+            def lower(*xs):
+                outs = [o for o in fn(*full(*xs[:n])) if o is not None]
+                done = []
+                for o, (_, summed) in zip(outs, odims):
+                    over = _names(tuple(split.get(lab) for lab in summed))
+                    done.append(jax.lax.psum(o, over) if over else o)
+                return tuple(done)
+
+            return mesh, lower, tuple(shardings(mesh, split, [d for d, _ in odims])), tuple(shardings(mesh, split, all_dims))
+
+        private = []
+
+        def factors(ds, tag):
+            names = []
+            for k, lab in enumerate(ds):
+                if lab is None:
+                    names.append(f"{tag}d{k}")
+                    private.append(names[-1])
+                else:
+                    names.append(lab)
+            return " ".join(names)
+
+        rule = ", ".join(factors(d, f"i{j}") for j, d in enumerate(all_dims)) + " -> " + \
+            ", ".join(factors(d, f"o{j}") for j, (d, _) in enumerate(odims))
+        cp = custom_partitioning(global_fn)
+        cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                         need_replication_factors=tuple(private))
+        outs = iter(cp(*given, *consts))
+        flat_out = [next(outs) if j in live else None for j in range(len(out_dims))]
+        return tuple(flat_out)
+
+    return call

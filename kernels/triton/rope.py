@@ -35,7 +35,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.partitioning import ROWS, rowwise
+from forgeax.kernels.common.partitioning import split_launch
 from forgeax.kernels.common.rope import RopeSpec, inverse_frequencies
 from forgeax.kernels.triton.launch import triton_call
 
@@ -205,12 +205,13 @@ def _differentiable(spec: RopeSpec, config: RopeConfig):
     """rope_qk(q, k, positions) with a custom_vjp (k may be None); vmap folds into the batch axis."""
 
     def rotate(q, k, positions, sign):
-        def tokens(q, k, positions):  # [tokens, ...] views from rowwise, as a batch of one
-            qo, ko = _launch(q[None], None if k is None else k[None], positions[None], spec=spec, config=config, sign=sign)
-            return qo[0], None if ko is None else ko[0]
+        def local(q, k, positions):
+            return _launch(q, k, positions, spec=spec, config=config, sign=sign)
 
-        # The SPMD partitioner splits the launch over the batch and token axes (any mesh axes).
-        launch = rowwise(tokens, (ROWS, ROWS, ROWS), (ROWS, ROWS), row_ndim=2)
+        # The SPMD partitioner splits the launch over the batch, token and head axes (any mesh
+        # axes; query and key heads the same number of ways).
+        heads = ("b", "t", "h", None)
+        launch = split_launch(local, (heads, heads, ("b", "t")), ((heads, ()), (heads, ())))
         return fold_vmap_into_rows(launch, row_args=(0, 1, 2))(q, k, positions)
 
     @jax.custom_vjp

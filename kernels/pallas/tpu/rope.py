@@ -30,7 +30,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.partitioning import ROWS, rowwise
+from forgeax.kernels.common.partitioning import split_launch
 from forgeax.kernels.common.rope import RopeSpec, inverse_frequencies, pair_indices
 
 _F32 = jnp.float32
@@ -116,12 +116,16 @@ def _rotate(arrays, positions, *, spec: RopeSpec, config: RopeTpuConfig, inverse
 def _differentiable(spec: RopeSpec, config: RopeTpuConfig, n_arrays: int):
     def rotate(arrays, positions, inverse):
         # vmap folds into the batch axis: one kernel over more tokens.
-        def tokens(arrays, positions):  # [tokens, ...] views from rowwise, as a batch of one
-            out = _rotate(tuple(a[None] for a in arrays), positions[None], spec=spec, config=config, inverse=inverse)
-            return (tuple(o[0] for o in out),)
+        def local(*xs):
+            return tuple(_rotate(tuple(xs[:-1]), xs[-1], spec=spec, config=config, inverse=inverse))
 
-        # The SPMD partitioner splits the launch over the batch and token axes (any mesh axes).
-        launch = lambda arrays, positions: rowwise(tokens, (ROWS, ROWS), (ROWS,), row_ndim=2)(arrays, positions)[0]  # noqa: E731
+        # The SPMD partitioner splits the launch over the batch, token and head axes (any mesh
+        # axes; every array's heads the same number of ways).
+        heads = ("b", "t", "h", None)
+
+        def launch(arrays, positions):
+            split = split_launch(local, (heads,) * len(arrays) + (("b", "t"),), ((heads, ()),) * len(arrays))
+            return split(*arrays, positions)
         return fold_vmap_into_rows(launch, row_args=(0, 1))(arrays, positions)
 
     @jax.custom_vjp
