@@ -349,9 +349,9 @@ def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequ
                 out[i] = x.reshape(()) if sc else x
             return out
 
-        closed = jax.make_jaxpr(lambda *xs: tuple(fn(*full(*xs))))(*given)
+        closed, out_shape = jax.make_jaxpr(lambda *xs: tuple(fn(*full(*xs))), return_shape=True)(*given)
         out_avals = closed.out_avals
-        live = [j for j, a in enumerate(jax.eval_shape(lambda *xs: tuple(fn(*full(*xs))), *given)) if a is not None]
+        live = [j for j, a in enumerate(out_shape) if a is not None]
         odims = [(tuple(out_dims[j][0]), tuple(out_dims[j][1])) for j in live]
         consts = [jnp.asarray(c) for c in closed.consts]
         n = len(given)
