@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
                 free.remove(g)
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, needed)), OUT=args.out, REPO=os.getcwd())
             log = open(os.path.join(args.out, re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".log"), "w")
-            proc = subprocess.Popen(["timeout", str(int(limit)), "bash", "-c", command], stdout=log, stderr=subprocess.STDOUT,
+            # SIGINT at the limit (pytest then still prints its failures), SIGKILL 20 s later.
+            proc = subprocess.Popen(["timeout", "-s", "INT", "-k", "20", str(int(limit)), "bash", "-c", command], stdout=log, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
             running[proc.pid] = (proc, name, time.monotonic(), needed, log)
             print(f"[{time.monotonic() - start:6.1f}s] start {name} on GPU {','.join(map(str, needed))}", flush=True)

@@ -86,11 +86,12 @@ def test_ring_equals_attention_on_the_gathered_sequence(causal, layout):
 @pytest.mark.parametrize("backend", ["triton", "pallas_gpu"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_with_the_gpu_kernels(backend, layout):
-    # f32 inputs: the kernels' f32 dots may run as TF32 (about 1e-3 relative) on the GPU.
+    # bf16: what the Mosaic GPU kernels take (and what the ring carries in training).
     _check(min(4, len(jax.devices())), B=1, T=1024, N=4, K=2, H=64, layout=layout, causal=True, seed=5,
-           backend=backend, tol=2e-3)
+           backend=backend, tol=2e-2, dtype=jnp.bfloat16)
 
 
+@pytest.mark.skipif(ON_GPU, reason="an interpreter check for CPU runs; on a GPU the kernels run natively above")
 def test_ring_with_an_interpreted_kernel_backend(monkeypatch):
     # The kernels drop shard_map's varying-axes type; their custom_vjp restores it. A cast outside
     # it would turn into a psum of the cotangents (summed gradients) inside the causal switch.
