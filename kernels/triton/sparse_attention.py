@@ -122,9 +122,10 @@ def _fits(q, v, spec: SparseAttentionSpec, config: TritonSparseAttentionConfig) 
 
 
 def heuristic_config(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> TritonSparseAttentionConfig:
-    """128 rows per forward / dQ program and per dK/dV tile where the GQA group allows (the dense
-    kernels' 128 x 64 shape at block_size 64); 8 warps from 128 rows, 4 below; 3 stages, fewer
-    where Hopper's shared memory would not hold them."""
+    """128 rows per dQ program and per dK/dV tile where the GQA group allows (the dense kernels'
+    128 x 64 shape at block_size 64), 256 forward rows on 16 warps where the group holds them
+    (16-bit inputs, head dim <= 128); 8 warps from 128 rows, 4 below; 3 stages, fewer where
+    Hopper's shared memory would not hold them."""
     del block_indices
     if interpret_enabled():
         return TritonSparseAttentionConfig(heads=2, fwd_warps=4, fwd_stages=1, dq_heads=2, bwd_heads=2, bwd_warps=4,
@@ -135,7 +136,13 @@ def heuristic_config(q, k, v, block_indices, *, spec: SparseAttentionSpec) -> Tr
     # f32: 64 backward rows (the tf32x3 dQ program holds its q / dout tiles twice: 128 rows at
     # head dim 128 ask 288 KB of shared memory even unpipelined).
     bwd_heads = max(1, 64 // spec.block_size) if jnp.dtype(q.dtype).itemsize == 4 else heads
-    config = TritonSparseAttentionConfig(heads=heads, fwd_warps=warps, fwd_stages=3, dq_heads=bwd_heads,
+    fwd_heads, fwd_warps = heads, warps
+    if jnp.dtype(q.dtype).itemsize == 2 and padded_dim(q.shape[3]) <= 128 and \
+            _heads(2 * heads, q.shape[2] // k.shape[2]) * spec.block_size >= 256:
+        # 256 forward rows on 16 warps (128 registers each at head dim 128, no spill): each
+        # selected K/V block feeds twice the rows; faster on an H100 (docs/performance.md).
+        fwd_heads, fwd_warps = 2 * heads, 16
+    config = TritonSparseAttentionConfig(heads=fwd_heads, fwd_warps=fwd_warps, fwd_stages=3, dq_heads=bwd_heads,
                                          bwd_heads=bwd_heads, bwd_warps=warps, bwd_stages=3)
     return _fit_stages(q, v, spec, config)
 
