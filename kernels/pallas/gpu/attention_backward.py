@@ -14,7 +14,8 @@ warpgroups of 64 rows, one producer streaming a ring of SMEM slots):
   * dz^T tiles (`dz_tiles`): the dK/dV kernel also TMA-stores every dz^T tile it computes,
     packed to the (128 keys, 64 queries) pairs the band lets meet (`_dz_layout`), and
     `_dq_from_dz` computes dq = scale * dz k with one wgmma per key block: 5 matmuls per block
-    in all instead of 7, at the cost of the tiles' HBM traffic and memory.
+    in all instead of 7, at the cost of the tiles' HBM traffic and memory (bounded by running
+    both per chunk of query heads, `_dz_backward`).
 dq is not fused into the dK/dV kernel with float atomics (FA3's one-pass form): the dz^T tiles
 give the same 5 matmuls deterministically. Measurements behind each choice: docs/performance.md.
 """
