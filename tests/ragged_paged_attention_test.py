@@ -270,3 +270,31 @@ def test_triton_decode_threshold_boundary_and_changing_lengths(fields):
         T = int(a[3][-1])
         assert np.all(np.asarray(out[T:]) == 0), "rows past cu_q_lens[-1] must be 0"
     assert len(traces) == 1
+
+
+@pytest.mark.skipif(_TRITON_INTERPRETED, reason="pure XLA: runs in the XLA target")
+def test_triton_item_order_is_a_permutation_busy_first():
+    """The Triton backend's item order (arithmetic merge of heaviest-first tiles with the decode
+    runs): a permutation, busy items first, tiles heaviest first, runs in order, the two kinds
+    interleaved in proportion."""
+    pytest.importorskip("triton")
+    from forgeax.kernels.triton.ragged_paged_attention import _interleaved_positions  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    positions = jax.jit(_interleaved_positions)
+    for wa, wb in ((1, 1), (7, 30), (33, 4), (20, 20), (5, 12), (40, 9)):
+        for density in (0.0, 0.4, 1.0):
+            ca = (rng.integers(1, 9, wa) * (rng.random(wa) < density)).astype(np.int32)
+            cb = (rng.integers(1, 9, wb) * (rng.random(wb) < density)).astype(np.int32)
+            pa, pb = (np.asarray(p) for p in positions(jnp.asarray(ca), jnp.asarray(cb)))
+            every = np.concatenate([pa, pb])
+            assert sorted(every.tolist()) == list(range(wa + wb))
+            na, nb = int((ca > 0).sum()), int((cb > 0).sum())
+            assert set(every[np.concatenate([ca > 0, cb > 0])].tolist()) == set(range(na + nb))
+            assert np.all(np.diff(ca[ca > 0][np.argsort(pa[ca > 0])]) <= 0)
+            assert np.all(np.diff(pb[cb > 0]) > 0)
+            if na and nb:
+                is_tile = np.zeros(na + nb, int)
+                is_tile[pa[ca > 0]] = 1
+                k = np.arange(1, na + nb + 1)
+                assert np.abs(np.cumsum(is_tile) - k * na / (na + nb)).max() <= 1.0 + 1e-9

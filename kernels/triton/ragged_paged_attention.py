@@ -309,15 +309,25 @@ def _keys_walked(seq, row0, row1, cu_q_lens, kv_lens, spec: AttentionSpec):
     return jnp.maximum(hi - lo, 0)
 
 
-def _interleaved_order(cost_a, cost_b):
-    """Item order: each kind heaviest first, the two kinds interleaved in proportion (items with
-    nothing to walk last)."""
-    def slots(cost):
-        order = jnp.argsort(-cost, stable=True)
-        rank = jnp.zeros_like(order).at[order].set(jnp.arange(cost.shape[0], dtype=order.dtype))
-        busy = jnp.maximum(jnp.sum(cost > 0), 1)
-        return jnp.where(cost > 0, (rank + 0.5) / busy, 2.0 + rank / cost.shape[0])
-    return jnp.argsort(jnp.concatenate([slots(cost_a), slots(cost_b)]), stable=True)
+def _interleaved_positions(cost_a, cost_b):
+    """Where each item goes (int32 [Wa], [Wb], together a permutation of Wa + Wb): the tiles
+    (a) heaviest first, the decode runs (b, about equally long) in sequence order, the busy ones
+    of both kinds merged in proportion: tile r before run i iff (2r + 1) nb <= (2i + 1) na, i.e.
+    slot (r + 1/2) / na <= (i + 1/2) / nb, in integers (na, nb: busy counts); items with nothing
+    to walk last. One sort (the tiles'), then arithmetic: no sort of the merged list."""
+    wa, wb = cost_a.shape[0], cost_b.shape[0]
+    order = jnp.argsort(-cost_a, stable=True)
+    rank = jnp.zeros((wa,), jnp.int32).at[order].set(jnp.arange(wa, dtype=jnp.int32))
+    busy_b = cost_b > 0
+    na = jnp.sum(cost_a > 0).astype(jnp.int32)
+    nb = jnp.sum(busy_b).astype(jnp.int32)
+    i = jnp.where(busy_b, jnp.cumsum(busy_b) - 1, nb + jnp.cumsum(~busy_b) - 1).astype(jnp.int32)
+    na1, nb1 = jnp.maximum(na, 1), jnp.maximum(nb, 1)
+    runs_before = jnp.clip(((2 * rank + 1) * nb - 1 - na) // (2 * na1) + 1, 0, nb)  # (2i+1) na < (2r+1) nb
+    tiles_before = jnp.clip(((2 * i + 1) * na - nb) // (2 * nb1) + 1, 0, na)  # (2r+1) nb <= (2i+1) na
+    pos_a = jnp.where(rank < na, rank + runs_before, rank + nb)
+    pos_b = jnp.where(i < nb, i + tiles_before, wa + i)
+    return pos_a.astype(jnp.int32), pos_b.astype(jnp.int32)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, *, spec: AttentionSpec,
@@ -342,9 +352,11 @@ def ragged_paged_attention(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, 
         d0 = cu[:-1][dseq]
         d1 = jnp.where(is_decode[dseq], cu[1:][dseq], d0)
         cost_b = _keys_walked(dseq, d0, d1, cu, kv_lens, spec) // splits
-        order = _interleaved_order(cost_a, cost_b)
-        seq, row0, row1 = (jnp.concatenate(p)[order] for p in ((seq, dseq), (row0, d0), (row1, d1)))
-        split = jnp.concatenate([split, jnp.tile(jnp.arange(splits, dtype=jnp.int32), S)])[order]
+        pos_a, pos_b = _interleaved_positions(cost_a, cost_b)
+        fields = jnp.stack([jnp.concatenate(p) for p in ((seq, dseq), (row0, d0), (row1, d1),
+                                                         (split, jnp.tile(jnp.arange(splits, dtype=jnp.int32), S)))], 1)
+        fields = jnp.zeros_like(fields).at[jnp.concatenate([pos_a, pos_b])].set(fields, unique_indices=True)
+        seq, row0, row1, split = (fields[:, c] for c in range(4))
     else:
         order = jnp.argsort(-cost_a, stable=True)  # heaviest tiles first
         seq, row0, row1 = seq[order], row0[order], row1[order]
