@@ -15,8 +15,8 @@ One launch, two kinds of work item (an XLA prologue builds the static-size item 
     are dealt out in SPLITS contiguous runs of BKD-key blocks, one program each, which store a
     partial (acc / l, lse in log2 units) in f32. XLA merges the runs by lse and scatters the
     rows into the output: lse = log2 sum_j 2^lse_j, out = sum_j 2^(lse_j - lse) out_j.
-Items are ordered heaviest first within each kind, and the two kinds interleaved, so the
-bandwidth-bound decode runs overlap the compute-bound prefill tiles on the SMs.
+Tiles are ordered heaviest first and the decode runs (about equally long) interleaved among
+them in proportion, so bandwidth-bound decode runs overlap compute-bound prefill tiles.
 Key s of a sequence is row (table[seq, s // PAGE] * PAGE + s % PAGE) * KV + kv_head of the
 pages viewed as [P * PAGE * KV, H] (page ids and kv_lens clamped in the prologue). Online
 softmax in log2 units, f32:
