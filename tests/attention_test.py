@@ -378,16 +378,18 @@ def test_pallas_gpu_dz_tiles_in_head_chunks_in_interpreter():
     """The dz^T backward one chunk of query heads at a time (`dz_chunk_bytes`), here one query
     head per chunk (2 kv heads x groups of 2: kv offsets and a group split across chunks, which
     carries its f32 dk/dv sums): every gradient equals the unchunked one bit for bit. Causal
-    T = S = 256 at head_dim 64: 6 (128 keys, 64 queries) dz^T tiles of 16 KiB per head."""
+    T = 200, S = 300 with a soft cap: the carries cover whole key tiles past S."""
     from forgeax.kernels.common.attention import AttentionSpec
     from forgeax.kernels.pallas.gpu import attention_backward
     from forgeax.kernels.pallas.gpu.attention_tiles import tails_of
 
-    kwargs = dict(causal=True)
-    args = _qkv(1, 256, 256, 4, 2, 64, jnp.bfloat16, seed=29)
+    kwargs = dict(causal=True, logit_soft_cap=5.0)
+    spec = AttentionSpec(causal=True, logit_soft_cap=5.0)
+    args = _qkv(1, 200, 300, 4, 2, 64, jnp.bfloat16, seed=29)
     whole = _gpu_config(args, kwargs, dz_tiles=True)
-    chunked = whole.replace(dz_chunk_bytes=6 * 128 * 64 * 2, dz_chunk_min_tiles=1)
-    _, plan = attention_backward._dz_tiles(AttentionSpec(causal=True), tails_of(*args), 1, 4, 2, jnp.bfloat16, chunked)
+    layout, _ = attention_backward._dz_tiles(spec, tails_of(*args), 1, 4, 2, jnp.bfloat16, whole)
+    chunked = whole.replace(dz_chunk_bytes=layout.entries * 128 * 64 * 2, dz_chunk_min_tiles=1)  # one head's tiles
+    _, plan = attention_backward._dz_tiles(spec, tails_of(*args), 1, 4, 2, jnp.bfloat16, chunked)
     assert [(c.k0, c.g0) for c in plan] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     ct = jnp.asarray(_rng(3).standard_normal(args[0].shape), jnp.bfloat16)
     grads = lambda config: jax.grad(lambda *a: jnp.sum(ops.attention(*a, backend="pallas_gpu", config=config, **kwargs)

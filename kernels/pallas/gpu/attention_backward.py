@@ -260,8 +260,9 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
     # Tile copies: K (and V); slot copies: Q, dO, lse (and delta).
     bars = backward_barriers(tile_copies=2 if want_dk else 1, slot_copies=4 if want_dk else 3, stages=stages,
                               segmented=segmented)
-    out_dt = F32 if chunk.carry_out else dt
-    out_type = tuple(jax.ShapeDtypeStruct((B, k.shape[1], chunk.kv, widths[name]), out_dt) for name in parts) + (
+    # f32 carries cover the whole tiles (stored from registers: nothing clips them as TMA does).
+    out_dt, out_keys = (F32, S) if chunk.carry_out else (dt, k.shape[1])
+    out_type = tuple(jax.ShapeDtypeStruct((B, out_keys, chunk.kv, widths[name]), out_dt) for name in parts) + (
         (jax.ShapeDtypeStruct((B, chunk.heads, packed.entries, CTA, bq), dt),) if packed else ())
     name = "attention_" + "".join(parts) if len(parts) == 1 else "attention_dkv"
     carried = carried if chunk.carry_in else (jnp.zeros((1,), F32),) * 2
