@@ -20,6 +20,11 @@ computation the wrapper lowers to `fn` itself: unsharded calls compile to the
 same kernels. Inside `shard_map` (values already local) and for interpreted
 kernels (see `rowwise`) it is not applied. Differentiate around it (custom_vjp),
 not through it: custom_partitioning has no autodiff rule.
+
+Two more launchers, same conventions: `vocab_rowwise` (the losses: rows, plus a vocabulary
+axis that, when sharded, is split too; each device then runs the vocabulary-parallel path
+with collectives over the mesh axes that split it) and `split_launch` (named axes such as
+batch / tokens / heads, e.g. heads-sharded rope and attention).
 """
 
 from __future__ import annotations
