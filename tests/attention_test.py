@@ -373,8 +373,8 @@ def test_pallas_gpu_dq_from_dz_tiles_in_interpreter(case, order, grid):
     _check("pallas_gpu", args, kwargs, config=config)
 
 
-@pytest.mark.skipif(not ON_CPU or "pallas_gpu" not in BACKENDS, reason="pallas_gpu in its CPU interpreter")
-def test_pallas_gpu_dz_tiles_in_head_chunks_in_interpreter():
+@pytest.mark.skipif("pallas_gpu" not in BACKENDS, reason="pallas_gpu not runnable here")
+def test_pallas_gpu_dz_tiles_in_head_chunks():
     """The dz^T backward one chunk of query heads at a time (`dz_chunk_bytes`), here one query
     head per chunk (2 kv heads x groups of 2: kv offsets and a group split across chunks, which
     carries its f32 dk/dv sums): every gradient equals the unchunked one bit for bit. Causal
@@ -433,11 +433,14 @@ def test_triton_dz_tiles_in_head_chunks_equal_one_launch():
     """The dz^T backward one chunk of query heads at a time (`dz_chunk_bytes`), here one query
     head per chunk of 2 kv heads x groups of 2 (kv offsets, and a group split across chunks that
     carries its f32 dk/dv sums): every gradient equals the one-launch backward's bit for bit.
-    Causal T = S = 64 at head_dim 64 (padded 64 x 64 dz^T tiles of 8 KiB per head)."""
+    Causal T = S = 64 at head_dim 64."""
+    from forgeax.kernels.triton.attention_backward import dz_tiles_extent
+
     kwargs = dict(causal=True)
     args = _qkv(1, 64, 64, 4, 2, 64, jnp.bfloat16, seed=31)
     whole = _triton_config(args, kwargs, dq_from_dz_tiles=True)
-    chunked = whole.replace(dz_chunk_bytes=64 * 64 * 2, dz_chunk_min_programs=1)
+    rows, cols = dz_tiles_extent(1, 4, 64, 64, jnp.bfloat16, whole)
+    chunked = whole.replace(dz_chunk_bytes=rows * cols * 2, dz_chunk_min_programs=1)  # one head's tiles
     ct = jnp.asarray(_rng(4).standard_normal(args[0].shape), jnp.bfloat16)
     grads = lambda config: jax.grad(lambda *a: jnp.sum(ops.attention(*a, backend="triton", config=config, **kwargs)
                                                       .astype(jnp.float32) * ct), argnums=(0, 1, 2))(*args)
