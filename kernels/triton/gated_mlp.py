@@ -36,7 +36,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.gated_mlp import ACTIVATIONS, differentiable_gated_mlp, hidden_size, supports_float_rows
-from forgeax.kernels.triton.elementwise import tanh
+from forgeax.kernels.triton.elementwise import dot, tanh
 from forgeax.kernels.triton.launch import check_matmul_tiles, fit_matmul_tiles, triton_call
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -61,18 +61,6 @@ def _act(g, ACT: tl.constexpr):
         return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * d_inner
     else:
         return tl.maximum(g, 0.0), tl.where(g > 0.0, 1.0, 0.0)
-
-
-@triton.jit
-def _dot(a, b, acc, DOT: tl.constexpr):
-    """acc + a @ b. DOT: 0 native (16-bit inputs); 1 f32 inputs as 3 TF32 products; 2 the
-    interpreter (operands upcast first: Triton 3.6's interpreter multiplies bf16 bit patterns)."""
-    if DOT == 1:
-        return tl.dot(a, b, acc, input_precision="tf32x3")
-    elif DOT == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -110,8 +98,8 @@ def _dual_gemm(X, WG, WU, rm, rn,
             a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             bg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(wu_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = _dot(a, bg, acc_g, DOT)
-        acc_u = _dot(a, bu, acc_u, DOT)
+        acc_g = dot(a, bg, acc_g, DOT)
+        acc_u = dot(a, bu, acc_u, DOT)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K * W_STRIDE
         wu_ptrs += BLOCK_K * W_STRIDE
@@ -244,9 +232,9 @@ def _common(x, w_gate, w_up, activation, config):
     cfg = fit_matmul_tiles(config, m, n, k)
     wg, wu, stride, offset = _weight_args(w_gate, w_up, n)
     interpret = interpret_enabled()
-    dot = 2 if interpret else (1 if jnp.dtype(x.dtype) == jnp.float32 else 0)
+    dot_mode = 2 if interpret else (1 if jnp.dtype(x.dtype) == jnp.float32 else 0)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    meta = dict(M=m, N=n, K=k, W_STRIDE=stride, UP_OFFSET=offset, ACT=ACTIVATIONS.index(activation), DOT=dot,
+    meta = dict(M=m, N=n, K=k, W_STRIDE=stride, UP_OFFSET=offset, ACT=ACTIVATIONS.index(activation), DOT=dot_mode,
                 BIG=m * max(k, 2 * n) >= 2**31, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_M=cfg.group_m)
     return (wg, wu), grid, cfg, meta

@@ -30,21 +30,10 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 from forgeax.kernels.common.ragged_dot import RaggedDotSpec, differentiable_ragged_dot, group_bounds, max_row_tiles, row_tiles
+from forgeax.kernels.triton.elementwise import dot
 from forgeax.kernels.triton.launch import check_matmul_tiles, fit_matmul_tiles, triton_call
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-@triton.jit
-def _dot(a, b, acc, DOT: tl.constexpr):
-    """acc + a @ b. DOT: 0 native (16-bit inputs); 1 f32 inputs as 3 TF32 products; 2 the
-    interpreter (operands upcast first: Triton 3.6's interpreter multiplies bf16 bit patterns)."""
-    if DOT == 1:
-        return tl.dot(a, b, acc, input_precision="tf32x3")
-    elif DOT == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -84,7 +73,7 @@ def _grouped_kernel(
                     k_ok = rk < K - k
                     a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-                acc = _dot(a, b, acc, DOT)
+                acc = dot(a, b, acc, DOT)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K * SB_K
         mask = row_ok[:, None] & (on < N)[None, :]
@@ -116,7 +105,7 @@ def _transposed_kernel(
         row_ok = rows < end
         a = tl.load(A + rows[:, None] * K + rk[None, :], mask=row_ok[:, None], other=0.0)  # [BK, BM]
         d = tl.load(D + rows[:, None] * N + rn[None, :], mask=row_ok[:, None], other=0.0)  # [BK, BN]
-        acc = _dot(tl.trans(a), d, acc, DOT)
+        acc = dot(tl.trans(a), d, acc, DOT)
     mask = (ok < K)[:, None] & (on < N)[None, :]
     out = OUT + g.to(tl.int64) * (K * N) + ok[:, None] * N + on[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
