@@ -18,27 +18,23 @@ def _features(args, kwargs) -> dict:
             "soft_cap": kwargs["spec"].logit_soft_cap is not None}
 
 
-PAGED_ATTENTION = define_op(
-    "paged_attention",
-    {
-        "xla": "forgeax.kernels.xla.paged_attention:PAGED_ATTENTION",
-        "triton": "forgeax.kernels.triton.paged_attention:PAGED_ATTENTION",
-        "pallas_tpu": "forgeax.kernels.pallas.tpu.paged_attention:PAGED_ATTENTION",
-    },
-    selection=Selection.load("forgeax.ops", "rules/paged_attention.json"),
-    features=_features,
-)
+def _define(name: str):
+    """The op `name`: each backend's `<NAME>` of its paged_attention module, rules/<name>.json."""
+    modules = {
+        "xla": "forgeax.kernels.xla.paged_attention",
+        "triton": "forgeax.kernels.triton.paged_attention",
+        "pallas_tpu": "forgeax.kernels.pallas.tpu.paged_attention",
+    }
+    return define_op(
+        name,
+        {backend: f"{module}:{name.upper()}" for backend, module in modules.items()},
+        selection=Selection.load("forgeax.ops", f"rules/{name}.json"),
+        features=_features,
+    )
 
-DECODE_ATTENTION = define_op(
-    "decode_attention",
-    {
-        "xla": "forgeax.kernels.xla.paged_attention:DECODE_ATTENTION",
-        "triton": "forgeax.kernels.triton.paged_attention:DECODE_ATTENTION",
-        "pallas_tpu": "forgeax.kernels.pallas.tpu.paged_attention:DECODE_ATTENTION",
-    },
-    selection=Selection.load("forgeax.ops", "rules/decode_attention.json"),
-    features=_features,
-)
+
+PAGED_ATTENTION = _define("paged_attention")
+DECODE_ATTENTION = _define("decode_attention")
 
 
 def _forward_only(name: str, call):
