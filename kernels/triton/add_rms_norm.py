@@ -35,6 +35,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 from forgeax.kernels.common.add_rms_norm import AddRmsNormKernels, differentiable_add_rms_norm
+from forgeax.kernels.triton.elementwise import row_tile
 from forgeax.kernels.triton.launch import triton_call
 
 # Largest D one program holds as a register tile (as for the Triton norms: above it the
@@ -53,14 +54,7 @@ def _forward_kernel(
     ROWS: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    if ROWS * D >= 2**31:  # element offsets would overflow int32
-        rows = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < ROWS
-    col_ok = cols < D
-    mask = row_ok[:, None] & col_ok[None, :]
-    offsets = rows[:, None] * D + cols[None, :]
+    rows, cols, row_ok, col_ok, mask, offsets = row_tile(ROWS, D, BLOCK_ROWS, BLOCK_D)
     x = tl.load(X + offsets, mask=mask, other=0.0)
     r = tl.load(RES + offsets, mask=mask, other=0.0)
     s = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)  # the add a plain x + residual rounds

@@ -25,3 +25,17 @@ def dot(a, b, acc, DOT: tl.constexpr):
     else:
         return tl.dot(a, b, acc)
 
+
+@triton.jit
+def row_tile(ROWS: tl.constexpr, D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's BLOCK_ROWS x BLOCK_D tile of a row-major [ROWS, D] array (D <= BLOCK_D):
+    rows, cols, row_ok, col_ok, the 2-D mask and element offsets (int64 where int32 would overflow)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    if ROWS * D >= 2**31:  # element offsets would overflow int32
+        rows = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < ROWS
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    return rows, cols, row_ok, col_ok, mask, offsets
