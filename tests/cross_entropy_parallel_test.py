@@ -12,10 +12,7 @@ before JAX initialises. This file sets it when it is the first to import jax
 
 from __future__ import annotations
 
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import parallel_env  # noqa: F401  (first: XLA_FLAGS before jax starts)
 
 import functools
 
@@ -33,8 +30,7 @@ from forgeax.kernels.xla import cross_entropy as reference
 DEVICES = 8
 IGNORE = -100
 
-if len(jax.devices()) < DEVICES:
-    pytest.skip(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts)", allow_module_level=True)
+parallel_env.skip_unless_devices(cpu=DEVICES)
 
 
 def _mesh(shape, names):

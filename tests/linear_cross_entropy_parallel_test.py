@@ -15,11 +15,7 @@ before JAX initialises. This file sets it when it is the first to import jax
 
 from __future__ import annotations
 
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
+import parallel_env  # noqa: F401  (first: XLA_FLAGS before jax starts)
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +32,7 @@ DEVICES = 8
 IGNORE = -100
 BACKENDS = ["xla", "xla_chunked"]
 
-if len(jax.devices()) < DEVICES:
-    pytest.skip(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts)", allow_module_level=True)
+parallel_env.skip_unless_devices(cpu=DEVICES)
 
 
 def _mesh(shape, names):

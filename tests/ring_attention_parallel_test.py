@@ -4,12 +4,9 @@ layouts, and a length that the ring does not divide (padded with its own segment
 
 from __future__ import annotations
 
-import os
+import parallel_env  # first: XLA_FLAGS before jax starts
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-if os.environ.get("JAX_PLATFORMS", "") == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+parallel_env.interpret_triton_on_cpu()
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from forgeax import ops
 
-ON_GPU = jax.default_backend() == "gpu"
-if len(jax.devices()) < (2 if ON_GPU else 8):
-    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts) or 2 GPUs",
-                allow_module_level=True)
+ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
 
 
 def _mesh(n):

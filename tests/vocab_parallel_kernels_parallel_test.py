@@ -19,12 +19,9 @@ Needs 8 devices on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8 befor
 
 from __future__ import annotations
 
-import os
+import parallel_env  # first: XLA_FLAGS before jax starts
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-if os.environ.get("JAX_PLATFORMS", "") == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+parallel_env.interpret_triton_on_cpu()
 
 import functools
 import math
@@ -43,10 +40,7 @@ from forgeax.kernels.common.losses import LossSpec
 from forgeax.kernels.xla import cross_entropy as ce_reference
 from forgeax.kernels.xla import linear_cross_entropy as lce_reference
 
-ON_GPU = jax.default_backend() == "gpu"
-if len(jax.devices()) < (2 if ON_GPU else 8):
-    pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) or 2 GPUs",
-                allow_module_level=True)
+ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
 
 IGNORE = -100
 VOCAB = 1000 if not ON_GPU else 4096

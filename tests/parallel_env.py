@@ -1,0 +1,34 @@
+"""The setup the *_parallel_test.py files share: 8 CPU devices, asked for before JAX starts.
+
+Import this module before `import jax`: it adds --xla_force_host_platform_device_count=8 to
+XLA_FLAGS (unless XLA_FLAGS already sets a count), which JAX reads only when it first starts, so it
+takes effect when the test file is the first in its process to import jax (its own target).
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def interpret_triton_on_cpu() -> None:
+    """TRITON_INTERPRET=1 by default under JAX_PLATFORMS=cpu; call before triton is first imported."""
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def skip_unless_devices(cpu: int = 8, gpu: int | None = None) -> bool:
+    """Skip the calling test module unless it has `cpu` devices (`gpu` on a GPU, where given).
+    Returns whether JAX runs on a GPU."""
+    import jax  # noqa: PLC0415  (after XLA_FLAGS is set above)
+    import pytest  # noqa: PLC0415
+
+    on_gpu = jax.default_backend() == "gpu"
+    need = gpu if on_gpu and gpu is not None else cpu
+    if len(jax.devices()) < need:
+        also = f" or {gpu} GPUs" if gpu is not None else ""
+        pytest.skip(f"needs {cpu} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts){also}",
+                    allow_module_level=True)
+    return on_gpu
