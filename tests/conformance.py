@@ -31,6 +31,20 @@ from forgeax.testing import (  # noqa: E402,F401 - re-exported for the test file
     runnable_backends,
 )
 
+
+def assert_pallas_tpu_unsupported(call) -> None:
+    """`call()`, an op asked for backend="pallas_tpu" off a TPU and outside interpret mode, raises
+    ops.UnsupportedError with the reason (a NotImplementedError). Skips where pallas_tpu can run."""
+    import pytest  # noqa: PLC0415
+
+    from forgeax import core, ops  # noqa: PLC0415
+
+    if core.interpret_enabled() or core.current_platform() == "tpu":
+        pytest.skip("pallas_tpu can run here")
+    with pytest.raises(ops.UnsupportedError, match="pallas_tpu: runs on tpu"):
+        call()
+    assert issubclass(ops.UnsupportedError, NotImplementedError)
+
 # The loss options every loss suite (cross_entropy, linear_cross_entropy) runs each backend with.
 LOSS_OPTIONS = {
     "label_smoothing": dict(label_smoothing=0.1),
