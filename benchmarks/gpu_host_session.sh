@@ -10,12 +10,8 @@
 # JOBS (a jobs file; empty: none), JOBS_DEADLINE (seconds after the jobs start; default 240).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-REPO=$(pwd)
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-[ -d /tmp/site/forgeax ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl dist/*.whl || exit 1
+source "$(dirname "${BASH_SOURCE[0]}")/install_wheels.sh"  # REPO, OUT, /tmp/site
 export PYTHONPATH=/tmp/site:$REPO
-[ -e /tmp/site/forgeax/examples ] || ln -s "$REPO/examples" /tmp/site/forgeax/examples
 GPUS=$(nvidia-smi -L | grep -c '^GPU ')
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 python3 -c "import forgeax, jax, triton, jax_triton; print(forgeax.__file__, jax.__version__, triton.__version__, jax.devices())" > "$OUT/env.txt" 2>&1

@@ -18,14 +18,8 @@
 # Results: benchmarks/results/<op>_<device>_<date>_<what>.json, one line each in its INDEX.md.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-REPO=$(pwd)
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-# Installed once per machine (several sessions may run side by side on different GPUs).
-[ -d /tmp/site/forgeax ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl dist/*.whl || exit 1
+source "$(dirname "${BASH_SOURCE[0]}")/install_wheels.sh"  # REPO, OUT, /tmp/site
 export PYTHONPATH=/tmp/site
-# The examples are not in the wheel; tests import them as forgeax.examples (as in the Bazel tree).
-[ -e /tmp/site/forgeax/examples ] || ln -s "$REPO/examples" /tmp/site/forgeax/examples
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 python3 -c "import forgeax, jax, triton, jax_triton; print(forgeax.__file__, jax.__version__, triton.__version__, jax.devices())" 2>&1 | tee "$OUT/env.txt"
 
