@@ -228,6 +228,8 @@ def split_per_token(kernels: RowKernels, logits, t, spec: LossSpec):
     under plain jit: the launches split over the rows and, when the logits' vocabulary axis is
     sharded, over the vocabulary (kernels/common/partitioning.py `vocab_rowwise`), each device then
     running the vocabulary-parallel path over the mesh axes that split it."""
+    if t.ndim == 0:  # one token: a row axis for the launch (its partitioning rule needs rank >= 1)
+        return split_per_token(kernels, logits[None], t[None], spec)[0]
     return _split_fwd(kernels, logits, t, spec)[0]
 
 
