@@ -4,18 +4,17 @@ and without capacity drops (capacity uses global token order across shards)."""
 
 from __future__ import annotations
 
-import os
+import parallel_env  # noqa: F401  (8 CPU devices, before jax starts)
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+parallel_env.interpret_triton_on_cpu()
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
-from jax.sharding import PartitionSpec as P
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from forgeax import ops
+from forgeax import ops  # noqa: E402
 
 if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts)", allow_module_level=True)
@@ -36,11 +35,17 @@ def _loss(out, aux, cot):
     return jnp.sum(out * cot) + 0.5 * aux
 
 
-@pytest.mark.parametrize("devices,experts,top_k,capacity_factor", [(8, 8, 2, None), (8, 16, 2, 1.0), (4, 8, 3, 0.75)])
-def test_expert_parallel_equals_single_device(devices, experts, top_k, capacity_factor):
+@pytest.mark.parametrize("devices,experts,top_k,capacity_factor,backend", [
+    (8, 8, 2, None, "xla_ragged"), (8, 16, 2, 1.0, "xla_ragged"), (4, 8, 3, 0.75, "xla_ragged"),
+    # A kernel backend (Triton's interpreter on CPU): its outputs and gradients must come back
+    # typed like the shard_map values they stand for (expert weights varying over "ep").
+    (4, 8, 2, None, "triton")])
+def test_expert_parallel_equals_single_device(devices, experts, top_k, capacity_factor, backend, monkeypatch):
+    if backend != "xla_ragged" and jax.default_backend() == "cpu":
+        monkeypatch.setenv("FORGEAX_INTERPRET", "1")
     t, d, f = 48, 16, 24
     args, cot = _inputs(t, d, f, experts, seed=experts + top_k)
-    kw = dict(top_k=top_k, capacity_factor=capacity_factor, return_aux_loss=True, backend="xla_ragged")
+    kw = dict(top_k=top_k, capacity_factor=capacity_factor, return_aux_loss=True, backend=backend)
 
     def single(*a):
         out, aux = ops.moe_mlp(*a, **kw)

@@ -89,3 +89,11 @@ class ManualAxes:
             return None
         missing = tuple(a for a in self.axes if a not in varying_axes(x))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    def cotangent(self, grad: jax.Array, primal: jax.Array) -> jax.Array:
+        """A kernel's per-device `grad` of `primal`, typed like `primal`: varying over these axes
+        (the call's), then summed over those `primal` does not vary over (a replicated weight's
+        gradient is the sum of every device's part)."""
+        grad = self.apply(grad)
+        summed = tuple(a for a in self.axes if a not in varying_axes(primal))
+        return jax.lax.psum(grad, summed) if summed else grad

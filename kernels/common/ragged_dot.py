@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from forgeax.kernels.common.batching import ManualAxes
+
 
 @dataclasses.dataclass(frozen=True)
 class RaggedDotSpec:
@@ -71,37 +73,43 @@ def differentiable_ragged_dot(forward, transposed):
     with rhs read as [G, N, K]); transposed(lhs, dout, group_sizes, *, out_dtype, config) ->
     [G, K, N]."""
 
+    # Inside shard_map the kernels' outputs lose their varying-axes type; it is restored inside
+    # the custom_vjps (never differentiated), and each gradient is typed like its primal.
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
     def ragged_dot(lhs, rhs, group_sizes, out_dtype, config):
-        return forward(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config, transpose_rhs=False)
+        out = forward(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config, transpose_rhs=False)
+        return ManualAxes.of(lhs, rhs, group_sizes).apply(out)
 
     def ragged_dot_fwd(lhs, rhs, group_sizes, out_dtype, config):
-        return ragged_dot(lhs, rhs, group_sizes, out_dtype, config), (lhs, rhs, group_sizes)
+        out = ragged_dot(lhs, rhs, group_sizes, out_dtype, config)
+        return out, (lhs, rhs, group_sizes, ManualAxes.of(lhs, rhs, group_sizes))
 
     def ragged_dot_bwd(out_dtype, config, residuals, dout):
         del out_dtype
-        lhs, rhs, group_sizes = residuals
-        dout = dout.astype(lhs.dtype)
+        lhs, rhs, group_sizes, axes = residuals
+        dout = axes.apply(dout).astype(lhs.dtype)
         dlhs = forward(dout, rhs, group_sizes, out_dtype=lhs.dtype, config=config, transpose_rhs=True)
         drhs = transposed(lhs, dout, group_sizes, out_dtype=rhs.dtype, config=config)
-        return dlhs, drhs, None
+        return axes.cotangent(dlhs, lhs), axes.cotangent(drhs, rhs), None
 
     ragged_dot.defvjp(ragged_dot_fwd, ragged_dot_bwd)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
     def ragged_dot_t(lhs, dout, group_sizes, out_dtype, config):
-        return transposed(lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
+        out = transposed(lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
+        return ManualAxes.of(lhs, dout, group_sizes).apply(out)
 
     def ragged_dot_t_fwd(lhs, dout, group_sizes, out_dtype, config):
-        return ragged_dot_t(lhs, dout, group_sizes, out_dtype, config), (lhs, dout, group_sizes)
+        out = ragged_dot_t(lhs, dout, group_sizes, out_dtype, config)
+        return out, (lhs, dout, group_sizes, ManualAxes.of(lhs, dout, group_sizes))
 
     def ragged_dot_t_bwd(out_dtype, config, residuals, dt):
         del out_dtype
-        lhs, dout, group_sizes = residuals
-        dt = dt.astype(lhs.dtype)
+        lhs, dout, group_sizes, axes = residuals
+        dt = axes.apply(dt).astype(lhs.dtype)
         dlhs = forward(dout.astype(lhs.dtype), dt, group_sizes, out_dtype=lhs.dtype, config=config, transpose_rhs=True)
         ddout = forward(lhs, dt, group_sizes, out_dtype=dout.dtype, config=config, transpose_rhs=False)
-        return dlhs, ddout, None
+        return axes.cotangent(dlhs, lhs), axes.cotangent(ddout, dout), None
 
     ragged_dot_t.defvjp(ragged_dot_t_fwd, ragged_dot_t_bwd)
     return ragged_dot, ragged_dot_t
