@@ -258,18 +258,17 @@ def _pow2_at_most(n: int) -> int:
 
 
 def heuristic_config(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, *, spec: AttentionSpec) -> RaggedPagedAttentionConfig:
-    """Prefill tiles of about 128 query rows (block_q x G) at 8 warps, the shape of ops.attention's
-    forward tile (64 rows past H = 128); 64-key blocks (32 past H = 128, to keep the K/V stages in
-    shared memory). Decodes: q_len x G rows up to 16 (an mma's minimum M) take the split path,
-    their keys in runs of about 2048 (and enough runs for about 4 programs per SM when every
-    sequence is a decode), so the runs are as long as a prefill tile's walk and interleave with it.
-    At N 32, KV 8, H 128 in bf16 ptxas (sm_90a) reports 184 registers, no spills, 97 KB of shared
-    memory: one 8-warp program per SM."""
+    """Prefill tiles of about 64 query rows (block_q x G) at 4 warps: twice as many programs as
+    128-row tiles, which balanced the mixed batches of docs/performance.md better on an H100;
+    64-key blocks (32 past H = 128, to keep the K/V stages in shared memory). Decodes: q_len x G
+    rows up to 16 (an mma's minimum M) take the split path, their keys in runs of about 2048 (and
+    enough runs for about 4 programs per SM when every sequence is a decode), so the runs are as
+    long as a prefill tile's walk and interleave with it."""
     del cu_q_lens, kv_lens, spec
     G = q.shape[1] // k_pages.shape[2]
     S, KV = page_table.shape[0], k_pages.shape[2]
     wide = max(q.shape[2], v_pages.shape[3]) > 128
-    block_q = _pow2_at_most(max(1, (64 if wide else 128) // G))
+    block_q = _pow2_at_most(max(1, 64 // G))
     block_k = 32 if wide else 64
     max_len = page_table.shape[1] * k_pages.shape[1]
     decode_max_q = max(1, 16 // G)
