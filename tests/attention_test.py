@@ -970,7 +970,7 @@ def test_pallas_gpu_gqa_first_only_where_its_dz_tiles_fit(B, T, S, N):
     kv = jax.ShapeDtypeStruct((B, S, 8, 128), jnp.bfloat16)
     spec = AttentionSpec(causal=True)
     config = heuristic_config(q, kv, kv, spec=spec)
-    kernels = attention_backward._dz_tiles(spec, tails_of(q, kv, kv), B, N, q.dtype, config) is not None
+    kernels = attention_backward._dz_tiles(spec, tails_of(q, kv, kv), B, N, kv.shape[2], q.dtype, config) is not None
     first = _rule_prefer("gpu", (q, kv, kv), spec, "all") == ("pallas_gpu",)
     if first:
         assert kernels
@@ -1008,7 +1008,7 @@ def test_pallas_gpu_dz_tiles_are_packed(T, S, window):
         assert layout.count / pairs.size < 0.52
     B, N = 1, 32  # small enough to fit: only the window decides (the heuristic takes no tiles under one)
     config = heuristic_config(q, kv, kv, spec=spec)
-    assert (attention_backward._dz_tiles(spec, tails, B, N, jnp.bfloat16, config) is not None) == (window is None)
+    assert (attention_backward._dz_tiles(spec, tails, B, N, kv.shape[2], jnp.bfloat16, config) is not None) == (window is None)
 
 
 def test_pallas_gpu_kernel_head_dims():
