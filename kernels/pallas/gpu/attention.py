@@ -63,8 +63,10 @@ class AttentionConfig(KernelConfig):
       dz_tiles_max_bytes: the most memory those tiles may take for all heads (beyond: the dQ kernel).
       dz_chunk_bytes: the most memory the tiles of one chunk of query heads may take: the
         backward runs the dK/dV and dq-from-dz^T launches per chunk, the chunks reusing one
-        buffer (dk/dv sums of a split GQA group carried in f32). 320 MiB takes Llama-3-8B's
-        causal T8192 (N32 / KV8) in 8 chunks of 4 query heads, 260 MiB of tiles instead of 2.03 GiB.
+        buffer (dk/dv sums of a split GQA group carried in f32). The default takes every head at
+        once, the faster backward on an H100; 320 << 20 takes Llama-3-8B's causal T8192 (N32 /
+        KV8) in 8 chunks of 4 query heads, 260 MiB of tiles instead of 2.03 GiB, at about 10%
+        of the backward's speed (docs/performance.md): the trade for memory-bound training.
       dz_chunk_min_tiles: the fewest dK/dV tiles (128 keys of one kv head) a chunk that splits
         the kv heads may keep: 256, two per SM of a Hopper, keeps the causal imbalance covered.
       dq_from_dz_block_kv: keys per step of the dq-from-dz^T kernel.
@@ -82,7 +84,7 @@ class AttentionConfig(KernelConfig):
     flat_forward: bool
     dz_tiles: bool
     dz_tiles_max_bytes: int = 4 << 30
-    dz_chunk_bytes: int = 320 << 20
+    dz_chunk_bytes: int = 4 << 30
     dz_chunk_min_tiles: int = 256
     dq_from_dz_block_kv: int = 64
     persistent_dq_from_dz: bool = False
@@ -160,7 +162,7 @@ def candidate_configs(*args, **kwargs) -> list[AttentionConfig]:
              dict(persistent_dkv=not base.persistent_dkv)]
     if base.dz_tiles:
         flips.append(dict(persistent_dq_from_dz=not base.persistent_dq_from_dz))
-        flips.append(dict(dz_chunk_bytes=base.dz_tiles_max_bytes))  # every head's tiles at once
+        flips.append(dict(dz_chunk_bytes=320 << 20))  # the tiles of a few heads at a time (memory)
     if base.one_dkv_launch:
         flips.append(dict(dkv_fa3_order=not base.dkv_fa3_order))
     if H[0] <= 128:
