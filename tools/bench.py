@@ -11,6 +11,9 @@ each result is reported as bytes/s or FLOP/s, fraction of the floor, and ratio t
 XLA. On the CPU there is no floor: caches make the measured copy rate no ceiling
 for calls that fit in them, so the fraction is left out (see `checked_fractions`).
 Each call's lower + compile time (the first in this process) is reported as `compile_s`.
+Unless `--backend` says otherwise, the op's own selection (`default`) is timed beside every
+backend; the JSON's `selection` list gives, per shape and mode, its time over the fastest
+backend's and what it ran. The JSON is rewritten after every shape.
 JSON goes to benchmarks/results/; `--plot DIR` also draws one PNG per op (tools/plot.py).
 """
 
