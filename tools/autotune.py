@@ -58,9 +58,9 @@ def _compiled(fn, inputs, tuning: forgeax.Tuning | None):
 
 def _decisions(fn, inputs, tuning: forgeax.Tuning | None) -> list[str]:
     if tuning is None:
-        return [f"{d.op}: {d.backend} {d.config}" for d in forgeax.explain(fn, *inputs).decisions]
+        return bench.explained(fn, inputs)
     with tuning:
-        return [f"{d.op}: {d.backend} {d.config}" for d in forgeax.explain(fn, *inputs).decisions]
+        return bench.explained(fn, inputs)
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], forgeax.Tuning]:
@@ -119,7 +119,7 @@ def tuning_from_bench(paths: list[str], device: str | None = None) -> forgeax.Tu
             data = json.load(f)
         groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
         for r in data["results"]:
-            if not r["backend"].startswith("anchor:") and r["backend"] != "default" and ":" not in r["backend"]:
+            if bench.selectable(r["backend"]):
                 groups.setdefault((r["op"], r["shape"], r["mode"]), []).append(r)
         for (op, shape_name, mode), rows in sorted(groups.items(), key=lambda g: g[0][2] == "fwd+bwd"):
             spec = bench_specs.SPECS.get(op)

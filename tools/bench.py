@@ -152,7 +152,7 @@ def selection_check(results: list[Timing]) -> list[dict[str, Any]]:
     rows = []
     for (op, shape, mode), timings in groups.items():
         default = next((t for t in timings if t.backend == "default"), None)
-        named = [t for t in timings if t.backend != "default" and not t.backend.startswith("anchor:") and ":" not in t.backend]
+        named = [t for t in timings if selectable(t.backend)]
         if default is None or not named:
             continue
         fastest = min(named, key=lambda t: t.median_ms)
@@ -161,11 +161,22 @@ def selection_check(results: list[Timing]) -> list[dict[str, Any]]:
     return rows
 
 
+def selectable(backend: str) -> bool:
+    """Whether a result row's backend is one the selection could pick: not the default itself,
+    an anchor, or a named backend with options ('pallas_gpu:deterministic=True')."""
+    return backend != "default" and not backend.startswith("anchor:") and ":" not in backend
+
+
+def explained(fn: Any, inputs: Sequence[Any]) -> list[str]:
+    """What the selection runs for `fn` on `inputs`, 'op: backend config' per call."""
+    return [f"{d.op}: {d.backend} {d.config}" for d in forgeax.explain(fn, *inputs).decisions]
+
+
 def decisions(fn: Any, inputs: Sequence[Any]) -> list[str]:
-    """What the default selection runs for `fn` ('op: backend config' per call), or the error."""
+    """`explained`, or the error (a report, never a reason to stop the benchmark)."""
     try:
-        return [f"{d.op}: {d.backend} {d.config}" for d in forgeax.explain(fn, *inputs).decisions]
-    except Exception as e:  # noqa: BLE001 - a report, never a reason to stop the benchmark
+        return explained(fn, inputs)
+    except Exception as e:  # noqa: BLE001
         return [f"explain failed: {type(e).__name__}: {str(e)[:200]}"]
 
 

@@ -75,19 +75,22 @@ def differentiable_ragged_dot(forward, transposed):
 
     # Inside shard_map the kernels' outputs lose their varying-axes type; it is restored inside
     # the custom_vjps (never differentiated), and each gradient is typed like its primal.
+    def typed(kernel, a, b, group_sizes, **kwargs):
+        axes = ManualAxes.of(a, b, group_sizes)
+        return axes.apply(kernel(a, b, group_sizes, **kwargs)), axes
+
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
     def ragged_dot(lhs, rhs, group_sizes, out_dtype, config):
-        out = forward(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config, transpose_rhs=False)
-        return ManualAxes.of(lhs, rhs, group_sizes).apply(out)
+        return typed(forward, lhs, rhs, group_sizes, out_dtype=out_dtype, config=config, transpose_rhs=False)[0]
 
     def ragged_dot_fwd(lhs, rhs, group_sizes, out_dtype, config):
-        out = ragged_dot(lhs, rhs, group_sizes, out_dtype, config)
-        return out, (lhs, rhs, group_sizes, ManualAxes.of(lhs, rhs, group_sizes))
+        out, axes = typed(forward, lhs, rhs, group_sizes, out_dtype=out_dtype, config=config, transpose_rhs=False)
+        return out, (lhs, rhs, group_sizes, axes)
 
     def ragged_dot_bwd(out_dtype, config, residuals, dout):
         del out_dtype
         lhs, rhs, group_sizes, axes = residuals
-        dout = axes.apply(dout).astype(lhs.dtype)
+        dout = dout.astype(lhs.dtype)
         dlhs = forward(dout, rhs, group_sizes, out_dtype=lhs.dtype, config=config, transpose_rhs=True)
         drhs = transposed(lhs, dout, group_sizes, out_dtype=rhs.dtype, config=config)
         return axes.cotangent(dlhs, lhs), axes.cotangent(drhs, rhs), None
@@ -96,17 +99,16 @@ def differentiable_ragged_dot(forward, transposed):
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
     def ragged_dot_t(lhs, dout, group_sizes, out_dtype, config):
-        out = transposed(lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
-        return ManualAxes.of(lhs, dout, group_sizes).apply(out)
+        return typed(transposed, lhs, dout, group_sizes, out_dtype=out_dtype, config=config)[0]
 
     def ragged_dot_t_fwd(lhs, dout, group_sizes, out_dtype, config):
-        out = ragged_dot_t(lhs, dout, group_sizes, out_dtype, config)
-        return out, (lhs, dout, group_sizes, ManualAxes.of(lhs, dout, group_sizes))
+        out, axes = typed(transposed, lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
+        return out, (lhs, dout, group_sizes, axes)
 
     def ragged_dot_t_bwd(out_dtype, config, residuals, dt):
         del out_dtype
         lhs, dout, group_sizes, axes = residuals
-        dt = axes.apply(dt).astype(lhs.dtype)
+        dt = dt.astype(lhs.dtype)
         dlhs = forward(dout.astype(lhs.dtype), dt, group_sizes, out_dtype=lhs.dtype, config=config, transpose_rhs=True)
         ddout = forward(lhs, dt, group_sizes, out_dtype=dout.dtype, config=config, transpose_rhs=False)
         return axes.cotangent(dlhs, lhs), axes.cotangent(ddout, dout), None
