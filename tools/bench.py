@@ -10,7 +10,9 @@ accelerator the copy ceiling (a large read+write) is measured in the same run, a
 each result is reported as bytes/s or FLOP/s, fraction of the floor, and ratio to
 XLA. On the CPU there is no floor: caches make the measured copy rate no ceiling
 for calls that fit in them, so the fraction is left out (see `checked_fractions`).
-Each call's lower + compile time (the first in this process) is reported as `compile_s`.
+Each call's lower + compile time (the first in this process) is reported as `compile_s`
+(with `--compile-workers N` > 1 a shape's candidates compile concurrently and the times include
+that contention; the JSON's method records N).
 Unless `--backend` says otherwise, the op's own selection (`default`) is timed beside every
 backend; the JSON's `selection` list gives, per shape and mode, its time over the fastest
 backend's and what it ran. The JSON is rewritten after every shape.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -192,11 +195,12 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
           flush=True)
     results: list[Timing] = []
     chosen: dict[tuple[str, str, str], list[str]] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, args.compile_workers))
     for op_name in args.op:
         spec = bench_specs.SPECS[op_name]
         registered = interface.OPS[op_name].backends
         wanted = args.backend or ["default", *registered]
-        backends = [b for b in wanted if parse_backend(b)[0] in registered + ("default",)]
+        backends = [b for b in wanted if parse_backend(b)[0] in registered + ("default",) and b not in (args.skip_backend or ())]
         shapes = [s for s in spec.shapes if (args.shape and s.name in args.shape) or (not args.shape and (platform != "cpu" or s.small))]
         for shape in shapes:
             inputs = spec.make_inputs(shape, jax.random.key(0))
@@ -206,7 +210,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
                 floor_s = nbytes / ceiling if ceiling else None
                 anchors = {a: build for a, build in spec.anchors.items() if not args.anchor or a in args.anchor}
                 candidates = [(b, None) for b in backends] + [(f"anchor:{a}", build) for a, build in anchors.items()]
-                fns = {}
+                built = {}
                 for name, anchor_build in candidates:
                     backend, extra = parse_backend(name) if anchor_build is None else (name, {})
                     if anchor_build is None and spec.precheck and backend != "default":
@@ -216,17 +220,22 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
                             print(f"  skip {op_name} {shape.name} {mode} {name}: {why}", flush=True)
                             continue
                     try:
-                        fn = (anchor_build(mode, options) if anchor_build else
-                              spec.build(None if backend == "default" else backend, mode, {**options, **extra}))
-                        compile_s, temp = lower_and_compile(fn, inputs)
-                        time_call(fn, inputs, calls=1, reps=1)  # compile + warm up
-                        fns[name] = (fn, temp, compile_s)
-                        if backend == "default" and anchor_build is None:
-                            chosen[(op_name, shape.name, mode)] = decisions(fn, inputs)
-                    except interface.UnsupportedError as e:
-                        print(f"  skip {op_name} {shape.name} {mode} {name}: {e}", flush=True)
+                        built[name] = (anchor_build(mode, options) if anchor_build else
+                                       spec.build(None if backend == "default" else backend, mode, {**options, **extra}))
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
-                        print(f"  FAIL {op_name} {shape.name} {mode} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        _report_failure(op_name, shape.name, mode, name, e)
+                # Compiles may overlap (--compile-workers): they are CPU work, the timing below is not.
+                compiling = {name: pool.submit(lower_and_compile, fn, inputs) for name, fn in built.items()}
+                fns = {}
+                for name, fn in built.items():
+                    try:
+                        compile_s, temp = compiling[name].result()
+                        time_call(fn, inputs, calls=1, reps=1)  # compile (jit's own cache) + warm up
+                        fns[name] = (fn, temp, compile_s)
+                        if name == "default":
+                            chosen[(op_name, shape.name, mode)] = decisions(fn, inputs)
+                    except Exception as e:  # noqa: BLE001 - report and go on with the other backends
+                        _report_failure(op_name, shape.name, mode, name, e)
                 rounds = interleaved({name: (fn, inputs) for name, (fn, _, _) in fns.items()},
                                      calls=args.calls, rounds=args.reps, warmup=0)
                 row: list[Timing] = []
@@ -251,6 +260,13 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
     return _report(results, ceiling, device, platform, args, chosen)
 
 
+def _report_failure(op_name: str, shape: str, mode: str, name: str, error: Exception) -> None:
+    if isinstance(error, interface.UnsupportedError):
+        print(f"  skip {op_name} {shape} {mode} {name}: {error}", flush=True)
+    else:
+        print(f"  FAIL {op_name} {shape} {mode} {name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+
+
 def _report(results: list[Timing], ceiling: float | None, device: Any, platform: str, args: argparse.Namespace,
             chosen: dict[tuple[str, str, str], list[str]]) -> dict[str, Any]:
     results, floor_note = checked_fractions(results, ceiling)
@@ -263,7 +279,7 @@ def _report(results: list[Timing], ceiling: float | None, device: Any, platform:
         "host": host_platform.node(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None, **_optional_versions()},
-        "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median per-call time over rounds; rounds interleaved across backends and anchors, order reversed every other round"},
+        "method": {"calls_per_round": args.calls, "rounds": args.reps, "compile_workers": args.compile_workers, "statistic": "median per-call time over rounds; rounds interleaved across backends and anchors, order reversed every other round"},
         "copy_ceiling_tb_per_s": ceiling / 1e12 if ceiling else None,
         "floor_note": floor_note,
         "results": [dataclasses.asdict(t) for t in results],
@@ -351,7 +367,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--anchor", action="append", help="anchor to time (repeatable; default: all of the spec's)")
     parser.add_argument("--backend", action="append", help="backend (repeatable; default: every backend that runs here); 'default' = the op's "
                         "own selection; 'name:option=value' adds a call option, e.g. pallas_gpu:deterministic=True")
+    parser.add_argument("--skip-backend", action="append", help="backend left out of the default list (repeatable)")
     parser.add_argument("--mode", action="append", choices=("fwd", "fwd+bwd"), help="default both")
+    parser.add_argument("--compile-workers", type=int, default=1, help="threads compiling a shape's candidates at once "
+                        "(compile_s then includes the contention: 1 for compile times alone)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--plot", default=None, metavar="DIR", help="also write one PNG per op to DIR (tools/plot.py)")
