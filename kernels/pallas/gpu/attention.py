@@ -11,8 +11,9 @@ run as whole tiles over the arrays in place (TMA zero-fills past their end).
 Modules: this one holds the config (`AttentionConfig`: which schedule and block sizes a call
 runs; `heuristic_config` is the measured default, `candidate_configs` the variants worth
 timing), `supports` and the custom_vjp entry; attention_forward.py the forward schedules;
-attention_backward.py the dQ, dK/dV and dq-from-dz^T kernels; attention_tiles.py the block
-ranges, masks, padding and kernel pieces they share; warpgroups.py the warpgroup machinery
+attention_backward.py which backward kernels a call runs (and the dz^T tiles' head chunks),
+attention_backward_kernels.py the dQ, dK/dV and dq-from-dz^T kernels; attention_tiles.py the
+block ranges, masks, padding and kernel pieces they share; warpgroups.py the warpgroup machinery
 (named barriers, rings, persistent schedules, wgmma forms, launch).
 
 Interpret mode (FORGEAX_INTERPRET / interpret_mode()): the interpreter cannot run wgmma with a

@@ -1,4 +1,4 @@
-"""What the pallas_gpu attention kernels (attention_forward.py, attention_backward.py) share.
+"""What the pallas_gpu attention kernels (attention_forward.py, attention_backward_kernels.py) share.
 
 Which column blocks a tile visits and which positions it masks (`Band`, `Tile`, `three_loops`,
 segment ids), how calls whose lengths or head dims are not the kernels' run over whole tiles
