@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from forgeax.kernels.common.partitioning import split_launch
+
 Array = jax.Array
 
 
@@ -176,3 +178,24 @@ def forward_only(run, error):
 
     wrapped.defvjp(fwd, bwd)
     return wrapped  # not functools.wraps: it would copy run's __dict__ (a custom_vmap's `fun`) over the custom_vjp's
+
+
+def split_decode_launch(run):
+    """`run(q, k, v, lengths, page_table)` -> (out, lse or None) as a launch the SPMD partitioner
+    splits over the requests B and the heads (kernels/common/partitioning.py `split_launch`).
+
+    q [B, N, H], lengths [B], page_table [B, M] (None: a contiguous cache k, v [B, S, KV, H],
+    whose B is split with the requests; a page pool [P, page, KV, H] is not per request and
+    stays replicated over the batch split). Heads: query heads N and kv heads KV split the same
+    number of ways (each device keeps whole GQA groups); with one kv head (MQA) the query heads
+    split alone and every device reads the one kv head. out [B, N, Hv], lse [B, N] follow q.
+    The key axes (S, the pages) stay whole on each device."""
+
+    def launch(q, k, v, lengths, page_table):
+        kv = "h" if k.shape[2] > 1 else None
+        cache = (None, None, kv, None) if page_table is not None else ("b", None, kv, None)
+        heads = ("b", "h", None)
+        dims = (heads, cache, cache, ("b",), ("b", None))
+        return split_launch(run, dims, ((heads, ()), (("b", "h"), ())))(q, k, v, lengths, page_table)
+
+    return launch

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from forgeax.kernels.common.paged import clamp_lengths, clamp_page_ids
+from forgeax.kernels.common.partitioning import split_launch
 from forgeax.kernels.common.ragged_dot import row_tiles
 
 Array = jax.Array
@@ -54,3 +55,22 @@ def clamped_tables(kv_lens: Array, page_table: Array, num_pages: int, page_size:
     """kv_lens and page ids clamped as kernels/common/paged.py says (what kernels read under jit)."""
     return clamp_lengths(kv_lens, page_table.shape[1], page_size), clamp_page_ids(page_table, num_pages)
 
+
+
+def split_heads_launch(fn, *, mqa_split_queries: bool = True):
+    """`fn(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table)` -> out [T, N, Hv] as a launch the
+    SPMD partitioner splits over the heads (kernels/common/partitioning.py `split_launch`): query
+    heads N and kv heads KV split the same number of ways (whole GQA groups per device); with one
+    kv head and `mqa_split_queries`, the query heads split alone (a kernel whose blocks need
+    whole groups passes False). The packed token axis T, the pages and the sequence tables stay
+    whole (replicated) on every device."""
+
+    def call(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table):
+        kv = "h" if k_pages.shape[2] > 1 or not mqa_split_queries else None
+        cache = (None, None, kv, None)
+        heads = (None, "h", None)
+        dims = (heads, cache, cache, (None,), (None,), (None, None))
+        return split_launch(lambda *a: (fn(*a),), dims, ((heads, ()),))(
+            q, k_pages, v_pages, cu_q_lens, kv_lens, page_table)[0]
+
+    return call

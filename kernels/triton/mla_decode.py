@@ -33,7 +33,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.mla_decode import forward_only, spec_reason
+from forgeax.kernels.common.mla_decode import forward_only, spec_reason, split_mla_launch
 from forgeax.kernels.common.paged import PagedSpec
 from forgeax.kernels.triton.attention_tiles import LN2, dot
 from forgeax.kernels.triton.launch import triton_call
@@ -262,7 +262,7 @@ def _launch(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *, spec: P
 def _forward(spec: PagedSpec, config: MlaDecodeTritonConfig, paged: bool):
     """The launch behind forward_only; under vmap the vmapped axis folds into the requests (B),
     or, when a page pool itself is vmapped, the launches loop (lax.map)."""
-    launch = functools.partial(_launch, spec=spec, config=config)
+    launch = split_mla_launch(functools.partial(_launch, spec=spec, config=config))  # sharded B / heads: per device
     rows = (0, 1, 4, 5) if paged else (0, 1, 2, 3, 4)
     return forward_only(fold_vmap_into_rows(launch, row_args=rows), "triton")
 

@@ -34,7 +34,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.paged import PagedSpec, cdiv
+from forgeax.kernels.common.paged import PagedSpec, cdiv, split_decode_launch
 from forgeax.kernels.triton.attention_tiles import LN2, LOG2E, dot
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
@@ -210,13 +210,14 @@ def _run(q, k, v, lengths, page_table, spec: PagedSpec, config: PagedAttentionCo
 
 def paged_attention(q, k_pages, v_pages, lengths, page_table, *, spec: PagedSpec, config: PagedAttentionConfig):
     # vmap folds into the requests (q, lengths, page_table) over a shared page pool; a vmapped
-    # pool loops (lax.map).
-    run = lambda q, kp, vp, lens, table: _run(q, kp, vp, lens, table, spec, config)  # noqa: E731
+    # pool loops (lax.map). Sharded requests / heads launch per device (split_decode_launch).
+    run = split_decode_launch(lambda q, kp, vp, lens, table: _run(q, kp, vp, lens, table, spec, config))
     return fold_vmap_into_rows(run, row_args=(0, 3, 4))(q, k_pages, v_pages, lengths, page_table)
 
 
 def decode_attention(q, k, v, lengths, *, spec: PagedSpec, config: PagedAttentionConfig):
-    run = lambda q, k, v, lens: _run(q, k, v, lens, None, spec, config)  # noqa: E731
+    split = split_decode_launch(lambda q, k, v, lens, _: _run(q, k, v, lens, None, spec, config))
+    run = lambda q, k, v, lens: split(q, k, v, lens, None)  # noqa: E731
     return fold_vmap_into_rows(run, row_args=(0, 1, 2, 3))(q, k, v, lengths)
 
 

@@ -38,7 +38,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
 from forgeax.kernels.common.attention import AttentionSpec
-from forgeax.kernels.common.ragged_paged_attention import clamped_tables, work_items
+from forgeax.kernels.common.ragged_paged_attention import clamped_tables, split_heads_launch, work_items
 from forgeax.kernels.triton.attention_tiles import LOG2E, dot
 from forgeax.kernels.triton.elementwise import tanh
 from forgeax.kernels.triton.launch import triton_call
@@ -331,6 +331,13 @@ def _interleaved_positions(cost_a, cost_b):
 
 def ragged_paged_attention(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, *, spec: AttentionSpec,
                            config: RaggedPagedAttentionConfig):
+    # Sharded heads launch per device on their own query and kv heads (split_heads_launch).
+    run = lambda *a: _launch(*a, spec=spec, config=config)  # noqa: E731
+    return split_heads_launch(run)(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table)
+
+
+def _launch(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, *, spec: AttentionSpec,
+            config: RaggedPagedAttentionConfig):
     T, N, H = q.shape
     P, PAGE, KV, _ = k_pages.shape
     HV = v_pages.shape[3]

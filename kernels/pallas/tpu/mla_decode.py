@@ -28,7 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
-from forgeax.kernels.common.mla_decode import forward_only, spec_reason
+from forgeax.kernels.common.mla_decode import forward_only, spec_reason, split_mla_launch
 from forgeax.kernels.common.paged import PagedSpec
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -155,7 +155,7 @@ def _launch(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *, spec: P
 
 @functools.cache
 def _forward(spec: PagedSpec, config: MlaDecodeTpuConfig):
-    return forward_only(functools.partial(_launch, spec=spec, config=config), "pallas_tpu")
+    return forward_only(split_mla_launch(functools.partial(_launch, spec=spec, config=config)), "pallas_tpu")
 
 
 def mla_decode(q_latent, q_rope, kv_latent, k_rope, lengths, page_table, *, spec: PagedSpec, config: MlaDecodeTpuConfig):

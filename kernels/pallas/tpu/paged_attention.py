@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
-from forgeax.kernels.common.paged import PagedSpec, cdiv, contiguous_as_pages
+from forgeax.kernels.common.paged import PagedSpec, cdiv, contiguous_as_pages, split_decode_launch
 
 _div, _rem = jax.lax.div, jax.lax.rem  # of non-negative ints: no floor-division sign fix-ups to lower
 
@@ -130,8 +130,9 @@ def _paged(q, k_pages, v_pages, lengths, page_table, spec: PagedSpec):
 
 def paged_attention(q, k_pages, v_pages, lengths, page_table, *, spec: PagedSpec):
     # vmap folds into the requests (q, lengths, page_table) over a shared page pool (Pallas has no
-    # batching rule for scalar-prefetched operands); a vmapped pool loops (lax.map).
-    run = lambda q, kp, vp, lens, table: _paged(q, kp, vp, lens, table, spec)  # noqa: E731
+    # batching rule for scalar-prefetched operands); a vmapped pool loops (lax.map). Sharded
+    # requests / heads launch per device (split_decode_launch).
+    run = split_decode_launch(lambda q, kp, vp, lens, table: _paged(q, kp, vp, lens, table, spec))
     return fold_vmap_into_rows(run, row_args=(0, 3, 4))(q, k_pages, v_pages, lengths, page_table)
 
 
@@ -153,7 +154,8 @@ def _decode(q, k, v, lengths, spec: PagedSpec):
 
 
 def decode_attention(q, k, v, lengths, *, spec: PagedSpec):
-    run = lambda q, k, v, lens: _decode(q, k, v, lens, spec)  # noqa: E731
+    split = split_decode_launch(lambda q, k, v, lens, _: _decode(q, k, v, lens, spec))
+    run = lambda q, k, v, lens: split(q, k, v, lens, None)  # noqa: E731
     return fold_vmap_into_rows(run, row_args=(0, 1, 2, 3))(q, k, v, lengths)
 
 

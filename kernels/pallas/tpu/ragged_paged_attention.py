@@ -32,7 +32,7 @@ from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.attention import AttentionSpec, allowed_positions
 from forgeax.kernels.common.ragged_dot import group_bounds
-from forgeax.kernels.common.ragged_paged_attention import clamped_tables, row_groups
+from forgeax.kernels.common.ragged_paged_attention import clamped_tables, row_groups, split_heads_launch
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _F32 = jnp.float32
@@ -162,6 +162,14 @@ def _kernel(seq_ref, block_ref, first_ref, last_ref, glo_ref, ghi_ref, shift_ref
 
 def ragged_paged_attention(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, *, spec: AttentionSpec,
                            config: RaggedPagedAttentionTpuConfig):
+    # Sharded heads launch per device on their own query and kv heads (split_heads_launch); with
+    # one kv head the query heads stay whole: block_q * G must stay a multiple of 8.
+    run = lambda *a: _launch(*a, spec=spec, config=config)  # noqa: E731
+    return split_heads_launch(run, mqa_split_queries=False)(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table)
+
+
+def _launch(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, *, spec: AttentionSpec,
+            config: RaggedPagedAttentionTpuConfig):
     T, N, H = q.shape
     P, page, KV, _ = k_pages.shape
     HV = v_pages.shape[3]
