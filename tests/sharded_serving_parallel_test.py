@@ -248,6 +248,19 @@ def test_shell_splits_without_gathering(op, sharding):
         _check(fn, arrays, dims, sharding)
 
 
+@pytest.mark.skipif(ON_GPU, reason="stand-in kernels (CPU)")
+def test_kv_heads_that_do_not_divide_stay_whole():
+    # 2 kv heads over the 4-way "data" axis: the heads cannot split evenly, so the shell keeps them
+    # whole (the sharded q is gathered: correct, at the cost of the gather).
+    fn, arrays, dims, _ = _cases(None)["paged_attention"]
+    heads = NamedSharding(_mesh(), P(None, "data"))
+    q = jax.device_put(arrays[0], heads)
+    with interpret_mode(False):
+        _assert_same(jax.jit(fn)(q, *arrays[1:]), jax.jit(fn)(*arrays))
+        found = _collectives(fn, q, *arrays[1:])
+        assert [shape.split("{")[0] for kind, shape in found if kind == "all-gather"] == ["f32[8,4,16]"], found
+
+
 ALL_CASES = [(op, s) for op, case in _cases("xla").items() for s in case[3]]
 
 
