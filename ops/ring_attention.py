@@ -21,7 +21,8 @@ Causal attention attends only where a key's global position is at most the query
 blocks above the diagonal are skipped, blocks on it run the causal kernel, blocks below it the
 unmasked one. A window becomes an explicit boolean mask per block (so backends that refuse
 masks, pallas_gpu and cudnn, are skipped by the selection). A global length that n does not
-divide: pad it with `pad_to_ring` and give the padding its own segment id.
+divide: pad it with `pad_to_ring` and give the padding its own segment id. The ring loop itself
+(kernels/common/ring.py) is shared with sequence-sharded `ops.attention` under plain jit.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
 from forgeax.kernels.common.batching import ManualAxes
+from forgeax.kernels.common.ring import merge, ring_backward, ring_forward
 from forgeax.ops.attention import attention
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -81,26 +83,12 @@ def pad_to_ring(x: jax.Array, multiple: int, axis: int = 1) -> tuple[jax.Array, 
     return jnp.pad(x, widths), jnp.broadcast_to(ids, lead + (padded,))
 
 
-def _merge(out_acc, lse_acc, out_b, lse_b):
-    """Two partial results over disjoint key sets -> their union's (f32; -inf rows stay 0)."""
-    lse = jnp.logaddexp(lse_acc, lse_b)
-    finite = jnp.isfinite(lse)
-    safe = jnp.where(finite, lse, 0.0)
-    w_acc = jnp.where(finite, jnp.exp(lse_acc - safe), 0.0)
-    w_b = jnp.where(finite, jnp.exp(lse_b - safe), 0.0)
-    return out_acc * w_acc[..., None] + out_b.astype(jnp.float32) * w_b[..., None], lse
-
-
 class _Ring:
     """The static description of one ring call (what the forward and backward passes share)."""
 
     def __init__(self, axis_name, n, layout, causal, window, options, backend):
         self.axis_name, self.n, self.layout = axis_name, n, layout
         self.causal, self.window, self.options, self.backend = causal, window, options, backend
-
-    def rotate(self, *xs):
-        perm = [(d, (d + 1) % self.n) for d in range(self.n)]
-        return tuple(jax.lax.ppermute(x, self.axis_name, perm) for x in xs)
 
     def varying(self, x):
         """A constant typed as varying over the ring axis, as every branch of a switch must be."""
@@ -121,7 +109,7 @@ class _Ring:
             for kc, k_id in zip(range(m), chunk_ids(src, self.n, self.layout)):
                 seg = None if qs_chunks[qc] is None else (qs_chunks[qc], ks_chunks[kc])
                 out_b, lse_b = self._pair(q_chunks[qc], k_chunks[kc], v_chunks[kc], seg, q_id, k_id)
-                out, lse = _merge(out, lse, out_b, lse_b)
+                out, lse = merge(out, lse, out_b, lse_b)
             outs.append(out)
             lses.append(lse)
         return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
@@ -160,16 +148,8 @@ class _Ring:
 
 
 def _forward(ring: _Ring, q, k, v, q_seg, kv_seg):
-    me = jax.lax.axis_index(ring.axis_name)
-    out = jnp.zeros(q.shape[:-1] + (v.shape[-1],), jnp.float32)
-    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-    for step in range(ring.n):
-        src = (me - step) % ring.n
-        out_b, lse_b = ring.block(q, k, v, q_seg, kv_seg, me, src)
-        out, lse = _merge(out, lse, out_b, lse_b)
-        if step + 1 < ring.n:
-            k, v, kv_seg = ring.rotate(k, v, kv_seg) if kv_seg is not None else ring.rotate(k, v) + (None,)
-    return out, lse
+    block = lambda step, me, src, kv: ring.block(q, kv[0], kv[1], q_seg, kv[2], me, src)  # noqa: E731
+    return ring_forward(block, ring.axis_name, ring.n, q.shape[:-1] + (v.shape[-1],), q.shape[:3], (k, v, kv_seg))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -191,27 +171,17 @@ def _ring_bwd(ring, residuals, cotangents):
     out32 = out.astype(jnp.float32)
     finite = jnp.isfinite(lse)
     safe_lse = jnp.where(finite, lse, 0.0)
-    me = jax.lax.axis_index(ring.axis_name)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
-    for step in range(ring.n):
-        src = (me - step) % ring.n
+
+    def block_grad(step, me, src, kv):
+        k, v, kv_seg = kv
         (out_b, lse_b), pull = jax.vjp(lambda q, k, v: ring.block(q, k, v, q_seg, kv_seg, me, src), q, k, v)
         w = jnp.where(finite, jnp.exp(lse_b - safe_lse), 0.0)
         d_out_b = w[..., None] * d_out
         d_lse_b = w * (jnp.sum(d_out * (out_b - out32), axis=-1) + d_lse)
-        dq_b, dk_b, dv_b = pull((d_out_b, d_lse_b))
-        dq += dq_b.astype(jnp.float32)
-        dk += dk_b.astype(jnp.float32)
-        dv += dv_b.astype(jnp.float32)
-        # Every shard and its accumulators move on; after n hops each dk/dv is home.
-        if step + 1 < ring.n:
-            k, v, dk, dv = ring.rotate(k, v, dk, dv)
-            if kv_seg is not None:
-                (kv_seg,) = ring.rotate(kv_seg)
-        else:
-            dk, dv = ring.rotate(dk, dv)
+        return pull((d_out_b, d_lse_b))
+
+    # Every shard and its dk / dv accumulators move on; after n hops each dk / dv is home.
+    dq, (dk, dv) = ring_backward(block_grad, ring.axis_name, ring.n, q.shape, (k, v, kv_seg), (k.shape, v.shape))
     zero_seg = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)  # noqa: E731
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_seg(q_seg), zero_seg(kv_seg)
 

@@ -66,6 +66,7 @@ import numpy as np
 
 from forgeax.kernels.common.batching import ManualAxes, fold_vmap_into_rows
 from forgeax.kernels.common.partitioning import split_launch
+from forgeax.kernels.common.ring import ring_backward, ring_forward
 
 Array = jax.Array
 
@@ -204,6 +205,10 @@ class AttentionKernels:
 
     forward: Callable[..., tuple[Array, Array]]
     backward: Callable[..., tuple[Array, Array, Array, Array | None]]
+    # Sequence-sharded calls under jit (`_ring_launch`): "shift" rings windows as per-block shifted
+    # windows (the kernels take any int, negative too), "mask" as boolean mask blocks where a
+    # shifted value would be negative, "no_window" gathers windowed calls, None gathers every call.
+    ring: str | None = "no_window"
 
 
 def _batch_args(q: Array, bias: Array | None, mask: Array | None, dropout: bool) -> tuple[int, ...]:
@@ -223,20 +228,23 @@ def _batch_args(q: Array, bias: Array | None, mask: Array | None, dropout: bool)
     return tuple(rows)
 
 
-def _by_batch(fn: Callable[..., Any], spec: "AttentionSpec", backward: bool) -> Callable[..., Any]:
+def _by_batch(kernels: AttentionKernels, spec: "AttentionSpec", backward: bool) -> Callable[..., Any]:
     """fn as a launch the SPMD partitioner splits over the batch and heads axes
     (kernels/common/partitioning.py `split_launch`): a batch- and/or heads-sharded call runs each
     device's own batch elements and heads (query and kv heads split the same number of ways, so
     GQA groups stay on one device). A bias / mask with the batch (heads) axis is split with it;
     one broadcast over it is replicated and its gradient summed over devices. Dropout hashes the
-    global batch and head indices: not split."""
+    global batch and head indices: not split. A sequence-sharded call runs as ring attention
+    (`_ring_launch`) when `_ring_serves` it; else its sequence axes are gathered."""
+    fn = functools.partial(kernels.backward if backward else kernels.forward, spec=spec)
     if spec.dropout_rate > 0:
         return fn
 
     def launch(*args):
-        q, _, _, bias, mask = args[:5]
-        heads = ("b", None, "h", None)  # q, k, v, out, dout [B, T, N, H]
-        rows = ("b", "h", None)  # lse, dlse [B, N, T]
+        q, k, _, bias, mask = args[:5]
+        seq = "t" if _ring_serves(kernels, spec, q, k, bias, mask) else None
+        heads = ("b", seq, "h", None)  # q, k, v, out, dout [B, T, N, H]
+        rows = ("b", "h", seq)  # lse, dlse [B, N, T]
 
         def table(a):  # bias / mask [Bb, Nb, T, S]
             if a is None:
@@ -244,16 +252,104 @@ def _by_batch(fn: Callable[..., Any], spec: "AttentionSpec", backward: bool) -> 
             return ("b" if a.shape[0] == q.shape[0] else None, "h" if a.shape[1] == q.shape[2] else None, None, None)
 
         seed = () if args[7] is None else (None,) * jnp.ndim(args[7])
-        dims = (heads, heads, heads, table(bias), table(mask), ("b", None), ("b", None), seed)
+        dims = (heads, heads, heads, table(bias), table(mask), ("b", seq), ("b", seq), seed)
         if backward:
             dims += (heads, rows, heads, rows)
             summed = tuple(lab for lab in ("b", "h") if bias is not None and lab not in table(bias))
             outs = ((heads, ()), (heads, ()), (heads, ()), (table(bias) or (None,) * 4, summed))
         else:
             outs = ((heads, ()), (rows, ()))
-        return split_launch(fn, dims, outs)(*args)
+        if seq is None:
+            return split_launch(fn, dims, outs)(*args)
+        return split_launch(functools.partial(_ring_launch, kernels, spec, backward), dims, outs, pass_split=True)(*args)
 
     return launch
+
+
+def _ring_serves(kernels: AttentionKernels, spec: AttentionSpec, q, k, bias, mask) -> bool:
+    """Whether a sequence-sharded call may run as ring attention: equal query and key lengths, no
+    bias / mask arrays (dropout never reaches here), windows only where the kernels ring them."""
+    window = spec.window_left is not None or spec.window_right is not None
+    return (kernels.ring is not None and q.shape[1] == k.shape[1] and bias is None and mask is None
+            and not (window and kernels.ring == "no_window"))
+
+
+def _ring_block(spec: AttentionSpec, L: int, j: int, ring: str) -> tuple[AttentionSpec, Any] | None:
+    """(spec, mask or None) of L local queries against the key block j blocks behind them (j < 0:
+    ahead) in global order, or None when no query may see any of its keys. Key s of that block
+    sits at s - j * L in the queries' coordinates, so the causal / window reach shifts by j * L."""
+    if j == 0:
+        return spec, None
+    d = j * L
+    left, right = spec.window_left, spec.right
+    if (right is not None and right + d < 1 - L) or (left is not None and left - d < 1 - L):
+        return None
+    right = None if right is None or right + d >= L - 1 else right + d  # None: reaches every key
+    left = None if left is None or left - d >= L - 1 else left - d
+    plain = dataclasses.replace(spec, causal=False, window_left=None, window_right=None)
+    if ring == "shift" or all(x is None or x >= 0 for x in (left, right)):
+        return dataclasses.replace(plain, window_left=left, window_right=right), None
+    t, s = np.arange(L)[:, None], np.arange(L)[None, :]
+    ok = np.ones((L, L), bool)
+    if right is not None:
+        ok &= s <= t + right
+    if left is not None:
+        ok &= s >= t - left
+    return plain, jnp.asarray(ok[None, None])
+
+
+def _ring_launch(kernels: AttentionKernels, spec: AttentionSpec, backward: bool, *args, split: dict):
+    """The forward (backward) kernel of one device's partition; with the sequence axis split
+    (`split["t"]`), the ring of kernels/common/ring.py over its mesh axes: device i keeps query
+    block i, the key / value blocks (and kv segment ids) travel. Forward: each block's kernel
+    forward, merged by lse. Backward: each block's kernel backward given the GLOBAL out and lse
+    (p = exp(z - lse) is then the global probability, so the block's dq, dk, dv are its exact
+    share of the gradient); dk / dv travel with their blocks and come home after n hops."""
+    fn = kernels.backward if backward else kernels.forward
+    if "t" not in split:
+        return fn(*args, spec=spec)
+    axes, n = split["t"]
+    axes = axes if len(axes) > 1 else axes[0]
+    q, k, v, _, _, qseg, kvseg, _ = args[:8]
+    B, L, N, _ = q.shape
+    Hv = v.shape[3]
+
+    def cases(step):
+        """The two relations a step's key block may have: `step` blocks behind the queries (device
+        i >= step) or n - step blocks ahead (i < step, wrapped round the ring)."""
+        return [_ring_block(spec, L, step, kernels.ring)] + ([_ring_block(spec, L, step - n, kernels.ring)] if step else [])
+
+    def per_case(step, me, run, empty):
+        runs = [empty if c is None else functools.partial(run, *c) for c in cases(step)]
+        if len(runs) == 1:
+            return runs[0]()
+        return jax.lax.cond(me >= step, *runs)
+
+    if not backward:
+        def block(step, me, src, kv):
+            def run(block_spec, block_mask):
+                out, lse = kernels.forward(q, kv[0], kv[1], None, block_mask, qseg, kv[2], None, spec=block_spec)
+                return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)
+
+            empty = lambda: (jnp.zeros((B, L, N, Hv), jnp.float32), jnp.full((B, L, N), -jnp.inf, jnp.float32))  # noqa: E731
+            return per_case(step, me, run, empty)
+
+        out, lse = ring_forward(block, axes, n, (B, L, N, Hv), (B, L, N), (k, v, kvseg))
+        return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+
+    out, lse, dout, dlse = args[8:12]
+
+    def block_grad(step, me, src, kv):
+        def run(block_spec, block_mask):
+            dq, dk, dv, _ = kernels.backward(q, kv[0], kv[1], None, block_mask, qseg, kv[2], None, out, lse, dout, dlse,
+                                             spec=block_spec)
+            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+        empty = lambda: tuple(jnp.zeros(a.shape, jnp.float32) for a in (q, kv[0], kv[1]))  # noqa: E731
+        return per_case(step, me, run, empty)
+
+    dq, (dk, dv) = ring_backward(block_grad, axes, n, q.shape, (k, v, kvseg), (k.shape, v.shape))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[Array, Array]]:
@@ -262,7 +358,7 @@ def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[A
     def forward(args, spec):
         q, _, _, bias, mask = args[:5]
         rows = _batch_args(q, bias, mask, spec.dropout_rate > 0)
-        return fold_vmap_into_rows(_by_batch(functools.partial(kernels.forward, spec=spec), spec, False), rows)(*args)
+        return fold_vmap_into_rows(_by_batch(kernels, spec, False), rows)(*args)
 
     def backward(args, out, lse, dout, dlse, spec):
         q, _, _, bias, mask = args[:5]
@@ -270,7 +366,7 @@ def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[A
         if bias is not None and bias.shape[0] != q.shape[0]:
             rows = ()  # dbias sums over the batch: one launch per vmapped element
         rows = rows + tuple(range(8, 12)) if rows else ()
-        fn = _by_batch(functools.partial(kernels.backward, spec=spec), spec, True)
+        fn = _by_batch(kernels, spec, True)
         return fold_vmap_into_rows(fn, rows)(*args, out, lse, dout, dlse)
 
     def typed_forward(args, spec):

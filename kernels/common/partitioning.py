@@ -29,6 +29,7 @@ batch / tokens / heads, e.g. heads-sharded rope and attention).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -326,7 +327,7 @@ def _vocab_rule(kinds, okinds, in_ranks, out_ranks, row_ndim):
 # ----------------------------------------------------------------------------- named axes (batch, heads)
 
 
-def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequence[Any]):
+def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequence[Any], *, pass_split: bool = False):
     """`fn(*args) -> tuple` as a launch the SPMD partitioner splits along named axes.
 
     arg_dims: per argument (None arguments allowed, skipped), a tuple naming each axis: a label
@@ -337,12 +338,15 @@ def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequ
     heads read its own kv heads). out_dims: per output, (dims, summed): `summed` the labels the
     output is a sum over (a broadcast bias' gradient), all-reduced over their mesh axes. `fn`
     sees local arrays of the same rank. Unsharded calls lower to fn; inside shard_map and for
-    interpreted kernels, fn itself (see `rowwise`)."""
+    interpreted kernels, fn itself (see `rowwise`).
+    pass_split: fn also gets `split={label: (mesh axis names, ways)}` for the labels split in this
+    call (empty when unsplit), e.g. to run collectives over a split sequence axis (ring attention)."""
     arg_dims, out_dims = tuple(arg_dims), tuple(out_dims)
+    fn_of = (lambda split: functools.partial(fn, split=split)) if pass_split else (lambda split: fn)
 
     def call(*args):
         if interpret_enabled() or jax.sharding.get_abstract_mesh().manual_axes:
-            return fn(*args)
+            return fn_of({})(*args)
         present = [i for i, a in enumerate(args) if a is not None]
         scalar = [args[i].ndim == 0 for i in present]
         given = [args[i].reshape(1) if sc else args[i] for i, sc in zip(present, scalar)]  # rules need rank >= 1
@@ -354,7 +358,7 @@ def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequ
                 out[i] = x.reshape(()) if sc else x
             return out
 
-        closed, out_shape = jax.make_jaxpr(lambda *xs: tuple(fn(*full(*xs))), return_shape=True)(*given)
+        closed, out_shape = jax.make_jaxpr(lambda *xs: tuple(fn_of({})(*full(*xs))), return_shape=True)(*given)
         out_avals = closed.out_avals
         live = [j for j, a in enumerate(out_shape) if a is not None]
         odims = [(tuple(out_dims[j][0]), tuple(out_dims[j][1])) for j in live]
@@ -398,7 +402,8 @@ def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequ
             split = labels_of(mesh, arg_shapes)
 
             def lower(*xs):
-                outs = [o for o in fn(*full(*xs[:n])) if o is not None]
+                ways = {lab: (_names((a,)), math.prod(mesh.shape[x] for x in _names((a,)))) for lab, a in split.items() if a}
+                outs = [o for o in fn_of(ways)(*full(*xs[:n])) if o is not None]
                 done = []
                 for o, (_, summed) in zip(outs, odims):
                     over = _names(tuple(split.get(lab) for lab in summed))
@@ -429,3 +434,4 @@ def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequ
         return tuple(flat_out)
 
     return call
+

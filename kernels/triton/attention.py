@@ -213,8 +213,10 @@ def candidate_configs(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropou
 
 @functools.cache
 def _differentiable(config: TritonAttentionConfig):
+    # Sequence-sharded: LEFT / RIGHT = -1 mean "no bound" here, so shifted negative window
+    # bounds of the ring's blocks go in as boolean mask blocks.
     kernels = AttentionKernels(forward=functools.partial(forward, config=config),
-                               backward=functools.partial(backward, config=config))
+                               backward=functools.partial(backward, config=config), ring="mask")
     return differentiable_attention(kernels)
 
 

@@ -209,7 +209,7 @@ def chunked_backward(q, k, v, bias, mask, qseg, kvseg, seed, out, lse, dout, dls
     return dq.reshape(B, T, N, H), dk, dv, dbias
 
 
-chunked = differentiable_attention(AttentionKernels(forward=chunked_forward, backward=chunked_backward))
+chunked = differentiable_attention(AttentionKernels(forward=chunked_forward, backward=chunked_backward, ring="shift"))
 
 ATTENTION = Implementation(fn=reference, platforms=("cpu", "gpu", "tpu"))
 ATTENTION_CHUNKED = Implementation(fn=chunked, platforms=("cpu", "gpu", "tpu"))

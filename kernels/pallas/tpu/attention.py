@@ -232,7 +232,8 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
 
 @functools.cache
 def _differentiable(config: PallasTpuAttentionConfig):
-    kernels = AttentionKernels(forward=functools.partial(_forward, config=config),
+    kernels = AttentionKernels(ring=None,  # sequence-sharded calls gathered: the ring is not checked on TPUs
+                               forward=functools.partial(_forward, config=config),
                                backward=functools.partial(_backward, config=config))
     return differentiable_attention(kernels)
 

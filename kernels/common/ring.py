@@ -1,0 +1,77 @@
+"""The ring loop of sequence-parallel attention, shared by `ops.ring_attention` (inside shard_map)
+and the sequence-sharded attention launch under plain jit (kernels/common/attention.py).
+
+The sequence axis is split over n devices along `axis_name` (a mesh axis name or a tuple of them);
+device i holds query block i and, at the start, key/value block i. Forward: at step j device i
+attends to the key/value block of device src = (i - j) mod n, then passes its key/value block on
+to device i + 1 (`ppermute`), n - 1 hops. The partial results over disjoint key sets merge
+exactly by their log-sum-exp:
+
+    lse = log(exp(lse_a) + exp(lse_b))      out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+(rows with no key so far keep lse = -inf and out = 0). Backward: a second ring; the key/value
+blocks travel again together with their f32 dk / dv accumulators, each device adds its queries'
+gradient contribution to the block it holds, and after n hops every dk / dv is back on its owner.
+What a step computes (a kernel, or `ops.attention` under `jax.vjp`) is the caller's `block`.
+Communication per ring (forward or backward): n - 1 (backward: n) ppermutes of the local blocks
+that travel (k, v and kv segment ids; backward also dk, dv in f32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def merge(out_acc, lse_acc, out_b, lse_b):
+    """Two partial results over disjoint key sets -> their union's (f32; -inf rows stay 0).
+    out [..., Hv], lse [...] (out's axes but the last)."""
+    lse = jnp.logaddexp(lse_acc, lse_b)
+    finite = jnp.isfinite(lse)
+    safe = jnp.where(finite, lse, 0.0)
+    w_acc = jnp.where(finite, jnp.exp(lse_acc - safe), 0.0)
+    w_b = jnp.where(finite, jnp.exp(lse_b - safe), 0.0)
+    return out_acc * w_acc[..., None] + out_b.astype(jnp.float32) * w_b[..., None], lse
+
+
+def rotate(axis_name, n: int, *xs):
+    """Every x passed one device on along the ring (device i -> i + 1 mod n)."""
+    perm = [(d, (d + 1) % n) for d in range(n)]
+    return tuple(None if x is None else jax.lax.ppermute(x, axis_name, perm) for x in xs)
+
+
+def ring_forward(block: Callable, axis_name, n: int, out_shape, lse_shape, travel: tuple):
+    """(out f32 [out_shape], lse f32 [lse_shape]) merged over the n steps of the ring.
+
+    block(step, me, src, travel) -> (out_b, lse_b) of the local queries against the blocks in
+    `travel` (e.g. (k, v, kv_segment_ids); None entries allowed), which belong to device src."""
+    me = jax.lax.axis_index(axis_name)
+    out = jnp.zeros(out_shape, jnp.float32)
+    lse = jnp.full(lse_shape, -jnp.inf, jnp.float32)
+    for step in range(n):
+        out_b, lse_b = block(step, me, (me - step) % n, travel)
+        out, lse = merge(out, lse, out_b, lse_b)
+        if step + 1 < n:
+            travel = rotate(axis_name, n, *travel)
+    return out, lse
+
+
+def ring_backward(block_grad: Callable, axis_name, n: int, dq_shape, travel: tuple, acc_shapes: tuple):
+    """(dq f32, accumulators f32) of the backward ring.
+
+    block_grad(step, me, src, travel) -> (dq_b, *acc_b): the local queries' gradient and the
+    gradients of the travelling blocks of device src (e.g. dk, dv; shapes `acc_shapes`). The
+    accumulators travel with `travel` and take one more hop at the end, so each comes home."""
+    me = jax.lax.axis_index(axis_name)
+    dq = jnp.zeros(dq_shape, jnp.float32)
+    acc = tuple(jnp.zeros(s, jnp.float32) for s in acc_shapes)
+    for step in range(n):
+        dq_b, *acc_b = block_grad(step, me, (me - step) % n, travel)
+        dq = dq + dq_b.astype(jnp.float32)
+        acc = tuple(a + b.astype(jnp.float32) for a, b in zip(acc, acc_b))
+        if step + 1 < n:
+            travel = rotate(axis_name, n, *travel)
+        acc = rotate(axis_name, n, *acc)
+    return dq, acc
