@@ -19,6 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from forgeax.kernels.common.partitioning import split_launch
+
 SUB_CHUNK = 16  # rows of one intra-chunk block: the tl.dot granularity of the chunked kernels
 
 
@@ -164,6 +166,50 @@ def gate_gradient_from_within(within, final, dfinal, starts, ends, chunk: int) -
     r, tp = within.shape[:2]
     blocks = within.reshape(r, tp // chunk, chunk, *within.shape[2:]) + _final_term(final, dfinal, ends)[:, :, None]
     return _with_later_chunks(blocks.reshape(within.shape), starts, chunk)
+
+
+# The axes of the chunked kernels' arrays that a sharded call may split (split_by_sequences):
+LAYOUT = ("b", None, "h", None)  # [R, Tp, N, *] chunk-layout arrays (q, k, v, g, b, o, do, A)
+STATES = ("b", "h", None, None)  # [S, N, K, V] initial / final states and their gradients
+PER_CHUNK = ("b", "h", None, None, None)  # [R, N, NC, *, *] per-chunk states
+TABLE = ("b", None)  # starts / ends [R, *]
+
+
+def split_by_sequences(fn, arg_dims, out_dims):
+    """fn(*args) -> tuple on the chunk layout as a launch the SPMD partitioner splits over rows
+    and heads (kernels/common/partitioning.py `split_launch`): under jit with batch- and/or
+    heads-sharded arrays each device runs fn on its own rows (sequences) and heads, every head's
+    recurrence whole. arg_dims / out_dims: LAYOUT, STATES, PER_CHUNK or TABLE per
+    argument / output (None arguments allowed). Without cu_seqlens (S = R) row r is sequence r:
+    fn gets tables renumbered to its local rows. Packed sequences (S != R, R = 1): heads only."""
+
+    def call(*args):
+        rows = next(a.shape[0] for a, d in zip(args, arg_dims) if d == LAYOUT)
+        packed = any(a is not None and d == STATES and a.shape[0] != rows for a, d in zip(args, arg_dims))
+
+        def local(*xs):
+            if not packed:  # the sequence ids in starts / ends are the global row numbers
+                here = lambda t: jnp.where(t >= 0, jnp.arange(t.shape[0], dtype=t.dtype)[:, None], -1)  # noqa: E731
+                xs = [here(x) if d == TABLE else x for x, d in zip(xs, arg_dims)]
+            return fn(*xs)
+
+        heads_only = lambda dims: tuple(None if lab == "b" else lab for lab in dims) if packed else dims  # noqa: E731
+        return split_launch(local, [heads_only(d) for d in arg_dims], [(heads_only(d), ()) for d in out_dims])(*args)
+
+    return call
+
+
+def on_layout(run, q, k, v, g, initial_state, cu_seqlens, chunk: int):
+    """(o [B, T, N, V], final states [S, N, K, V] f32) of a chunked kernel `run(q, k, v, g, init,
+    starts, ends) -> (o, final)` on the chunk layout (arrays moved there and back by XLA)."""
+    b, t, n, kd = q.shape
+    layout = make_layout(b, t, chunk, cu_seqlens)
+    seqs = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    init = jnp.zeros((seqs, n, kd, v.shape[3]), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    o, final = run(*(to_layout(x, layout) for x in (q, k, v, g)), init, layout.starts, layout.ends)
+    # An empty sequence's state passes through (its final-state slot is never written).
+    final = jnp.where((layout.lengths > 0)[:, None, None, None], final, init)
+    return from_layout(o, layout, t), final
 
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

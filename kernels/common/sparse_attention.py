@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import split_launch
 
 Array = jax.Array
 
@@ -129,13 +130,22 @@ def transposed_table(block_indices: Array, spec: SparseAttentionSpec, T: int, S:
     return rows, counts, masked
 
 
+_HEADS = ("b", None, "h", None)  # q, k, v, out, dout [B, T|S, heads, H]: the batch and heads may be split
+_TABLE = ("b", "h", None, None)  # block_indices [B, K, nq, W]
+_LSE = ("b", "h", None)  # lse, dlse [B, N, T]
+
+
 def differentiable_sparse_attention(forward: Callable[..., tuple[Array, Array]],
                                     backward: Callable[..., tuple[Array, Array, Array]]) -> Callable[..., tuple[Array, Array | None]]:
     """`fn(q, k, v, block_indices, *, spec) -> (out, lse | None)` with a custom VJP whose backward
-    is `backward`; vmap folds into the batch axis (every argument has it first)."""
+    is `backward`; vmap folds into the batch axis (every argument has it first). Under jit with
+    batch- and/or heads-sharded arrays each launch runs on its device's batch elements and heads
+    (kernels/common/partitioning.py `split_launch`; query and kv heads and block_indices' heads
+    split the same number of ways, so each kv head's query group stays on one device)."""
 
     def fwd_rows(q, k, v, idx, spec):
-        return fold_vmap_into_rows(functools.partial(forward, spec=spec), (0, 1, 2, 3))(q, k, v, idx)
+        split = split_launch(functools.partial(forward, spec=spec), (_HEADS, _HEADS, _HEADS, _TABLE), ((_HEADS, ()), (_LSE, ())))
+        return fold_vmap_into_rows(split, (0, 1, 2, 3))(q, k, v, idx)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
     def attend(q, k, v, idx, spec):
@@ -148,7 +158,9 @@ def differentiable_sparse_attention(forward: Callable[..., tuple[Array, Array]],
     def attend_bwd(spec, residuals, cotangents):
         q, k, v, idx, out, lse = residuals
         dout, dlse = cotangents
-        fn = fold_vmap_into_rows(functools.partial(backward, spec=spec), tuple(range(8)))
+        split = split_launch(functools.partial(backward, spec=spec), (_HEADS,) * 3 + (_TABLE, _HEADS, _LSE, _HEADS, _LSE),
+                             ((_HEADS, ()),) * 3)
+        fn = fold_vmap_into_rows(split, tuple(range(8)))
         dq, dk, dv = fn(q, k, v, idx, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), np.zeros(idx.shape, jax.dtypes.float0)
 

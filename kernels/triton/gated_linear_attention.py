@@ -37,7 +37,8 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.kernels.common.gated_linear_attention import (
-    GLASpec, chunk_cumsum, from_layout, gate_gradient_from_within, kernel_supports, lightning_gates, make_layout, to_layout)
+    LAYOUT, PER_CHUNK, STATES, TABLE, GLASpec, chunk_cumsum, gate_gradient_from_within, kernel_supports,
+    lightning_gates, on_layout, split_by_sequences)
 from forgeax.kernels.triton import gated_linear_attention_backward as backward
 from forgeax.kernels.triton.attention_tiles import dot
 from forgeax.kernels.triton.gated_linear_attention_backward import (
@@ -204,23 +205,39 @@ def _forward(q, k, v, b, init, starts, ends, *, scale: float, chunk: int, config
 def _differentiable(scale: float, chunk: int, config: GLATritonConfig):
     """(q, k, v, g, init) on the chunk layout -> (o, final states), with the backward kernels."""
 
+    # Each launch (with the XLA steps that index states by the tables) runs on a sharded call's
+    # local rows and heads (split_by_sequences).
+    def forward(q, k, v, b, init, starts, ends, store_a):
+        o, h, final, a = _forward(q, k, v, b, init, starts, ends, scale=scale, chunk=chunk, config=config,
+                                  store_a=store_a)
+        return (o, final, h, a) if store_a else (o, final)
+
+    inputs = (LAYOUT,) * 4 + (STATES, TABLE, TABLE)
+    forward_only = split_by_sequences(functools.partial(forward, store_a=False), inputs, (LAYOUT, STATES))
+    forward_saving = split_by_sequences(functools.partial(forward, store_a=True), inputs,
+                                        (LAYOUT, STATES, PER_CHUNK, LAYOUT))
+
+    def gradients(q, k, v, b, starts, ends, h, a, do, dfinal, final):
+        dq, dk, dv, dinit, within = backward.gradients(q, k, v, b, starts, ends, h, a, do, dfinal,
+                                                       seqs=dfinal.shape[0], scale=scale, chunk=chunk, config=config)
+        return dq, dk, dv, dinit, gate_gradient_from_within(within, final, dfinal, starts, ends, chunk)
+
+    local_gradients = split_by_sequences(gradients, (LAYOUT,) * 4 + (TABLE, TABLE, PER_CHUNK, LAYOUT, LAYOUT, STATES, STATES),
+                                         (LAYOUT,) * 3 + (STATES, LAYOUT))
+
     @jax.custom_vjp
     def run(q, k, v, g, init, starts, ends):
-        o, _, final, _ = _forward(q, k, v, chunk_cumsum(g, chunk), init, starts, ends, scale=scale, chunk=chunk,
-                                  config=config, store_a=False)
-        return o, final
+        return forward_only(q, k, v, chunk_cumsum(g, chunk), init, starts, ends)
 
     def run_fwd(q, k, v, g, init, starts, ends):
         b = chunk_cumsum(g, chunk)
-        o, h, final, a = _forward(q, k, v, b, init, starts, ends, scale=scale, chunk=chunk, config=config, store_a=True)
+        o, final, h, a = forward_saving(q, k, v, b, init, starts, ends)
         return (o, final), (q, k, v, g, b, init, starts, ends, h, a, final)
 
     def run_bwd(residuals, cotangents):
         q, k, v, g, b, init, starts, ends, h, a, final = residuals
         do, dfinal = cotangents
-        dq, dk, dv, dinit, within = backward.gradients(q, k, v, b, starts, ends, h, a, do.astype(q.dtype), dfinal,
-                                                       seqs=init.shape[0], scale=scale, chunk=chunk, config=config)
-        dg = gate_gradient_from_within(within, final, dfinal, starts, ends, chunk)
+        dq, dk, dv, dinit, dg = local_gradients(q, k, v, b, starts, ends, h, a, do.astype(q.dtype), dfinal, final)
         return dq, dk, dv, dg.astype(g.dtype), dinit.astype(init.dtype), None, None
 
     run.defvjp(run_fwd, run_bwd)
@@ -228,16 +245,8 @@ def _differentiable(scale: float, chunk: int, config: GLATritonConfig):
 
 
 def gated_linear_attention(q, k, v, g, initial_state, cu_seqlens, *, spec: GLASpec, config: GLATritonConfig):
-    b, t, n, kd = q.shape
-    vd = v.shape[3]
-    layout = make_layout(b, t, spec.chunk_size, cu_seqlens)
-    seqs = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    init = jnp.zeros((seqs, n, kd, vd), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    run = _differentiable(spec.scale, spec.chunk_size, config)
-    o, final = run(*(to_layout(x, layout) for x in (q, k, v, g)), init, layout.starts, layout.ends)
-    # An empty sequence's state passes through (its final-state slot is never written).
-    final = jnp.where((layout.lengths > 0)[:, None, None, None], final, init)
-    return from_layout(o, layout, t), final
+    return on_layout(_differentiable(spec.scale, spec.chunk_size, config), q, k, v, g, initial_state, cu_seqlens,
+                     spec.chunk_size)
 
 
 def lightning_attention(q, k, v, decay, initial_state, cu_seqlens, *, spec: GLASpec, config: GLATritonConfig):

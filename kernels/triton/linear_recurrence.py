@@ -39,7 +39,6 @@ import triton.language as tl
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
-from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.linear_recurrence import kernel_supports, with_vjp
 from forgeax.kernels.triton.launch import triton_call
 
@@ -508,10 +507,9 @@ def _backward(g, a, h, h0, *, reverse: bool, config: LinearRecurrenceConfig):
 
 @functools.cache
 def _differentiable(reverse: bool, config: LinearRecurrenceConfig):
-    """The recurrence with a custom_vjp; vmap folds into the batch axis (rows are independent)."""
-    forward = fold_vmap_into_rows(functools.partial(_forward, reverse=reverse, config=config), row_args=(0, 1, 2))
-    backward = fold_vmap_into_rows(functools.partial(_backward, reverse=reverse, config=config), row_args=(0, 1, 2, 3))
-    return with_vjp(forward, backward)
+    """The recurrence with a custom_vjp (vmap and sharded arrays: kernels/common/linear_recurrence.py)."""
+    return with_vjp(functools.partial(_forward, reverse=reverse, config=config),
+                    functools.partial(_backward, reverse=reverse, config=config))
 
 
 def linear_recurrence(x, a, initial_state, *, reverse: bool = False, config: LinearRecurrenceConfig):

@@ -29,8 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.gated_linear_attention import (
-    SUB_CHUNK, GLASpec, chunk_cumsum, from_layout, gate_gradient_from, kernel_supports, lightning_gates, make_layout,
-    to_layout)
+    LAYOUT, PER_CHUNK, STATES, SUB_CHUNK, TABLE, GLASpec, chunk_cumsum, gate_gradient_from, kernel_supports,
+    lightning_gates, on_layout, split_by_sequences)
 
 _F32 = jnp.float32
 MAX_HEAD_DIM = 256
@@ -220,29 +220,38 @@ def _per_sequence(per_chunk, table, seqs):
 
 @functools.cache
 def _differentiable(scale: float, chunk: int):
-    def forward(q, k, v, g, init, starts, ends):
-        b = chunk_cumsum(g, chunk)
+    # Each launch, with the XLA steps that index states by the tables, runs on a sharded call's
+    # local rows and heads (split_by_sequences).
+    def forward(q, k, v, b, init, starts, ends):
         o, h, hend = _forward(*(_heads_first(x) for x in (q, k, v, b)), jnp.swapaxes(init, -1, -2), starts, ends,
                               scale=scale, chunk=chunk)
-        final = _per_sequence(hend, ends[:, 1:], init.shape[0])
-        return _heads_first(o), final, (b, h)
+        return _heads_first(o), _per_sequence(hend, ends[:, 1:], init.shape[0]), h
+
+    local_forward = split_by_sequences(forward, (LAYOUT,) * 4 + (STATES, TABLE, TABLE), (LAYOUT, STATES, PER_CHUNK))
+
+    def backward(q, k, v, b, do, h, final, dfinal, starts, ends):
+        dq, dk, dv, dstart = _backward(*(_heads_first(x) for x in (q, k, v, b, do)), h,
+                                       jnp.swapaxes(dfinal, -1, -2), starts, ends, scale=scale, chunk=chunk)
+        dq, dk, dv = (_heads_first(x) for x in (dq, dk, dv))
+        dinit = _per_sequence(dstart, starts, final.shape[0])
+        return dq, dk, dv, dinit, gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk)
+
+    local_backward = split_by_sequences(backward, (LAYOUT,) * 5 + (PER_CHUNK, STATES, STATES, TABLE, TABLE),
+                                        (LAYOUT,) * 3 + (STATES, LAYOUT))
 
     @jax.custom_vjp
     def run(q, k, v, g, init, starts, ends):
-        return forward(q, k, v, g, init, starts, ends)[:2]
+        return local_forward(q, k, v, chunk_cumsum(g, chunk), init, starts, ends)[:2]
 
     def run_fwd(q, k, v, g, init, starts, ends):
-        o, final, (b, h) = forward(q, k, v, g, init, starts, ends)
+        b = chunk_cumsum(g, chunk)
+        o, final, h = local_forward(q, k, v, b, init, starts, ends)
         return (o, final), (q, k, v, g, b, h, init, final, starts, ends)
 
     def run_bwd(residuals, cotangents):
         q, k, v, g, b, h, init, final, starts, ends = residuals
         do, dfinal = cotangents
-        dq, dk, dv, dstart = _backward(*(_heads_first(x) for x in (q, k, v, b, do.astype(q.dtype))), h,
-                                       jnp.swapaxes(dfinal, -1, -2), starts, ends, scale=scale, chunk=chunk)
-        dq, dk, dv = (_heads_first(x) for x in (dq, dk, dv))
-        dinit = _per_sequence(dstart, starts, init.shape[0])
-        dg = gate_gradient_from(q, k, dq, dk, final, dfinal, starts, ends, chunk)
+        dq, dk, dv, dinit, dg = local_backward(q, k, v, b, do.astype(q.dtype), h, final, dfinal, starts, ends)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype), dinit.astype(init.dtype),
                 None, None)
 
@@ -251,15 +260,7 @@ def _differentiable(scale: float, chunk: int):
 
 
 def gated_linear_attention(q, k, v, g, initial_state, cu_seqlens, *, spec: GLASpec):
-    b, t, n, kd = q.shape
-    vd = v.shape[3]
-    layout = make_layout(b, t, spec.chunk_size, cu_seqlens)
-    seqs = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    init = jnp.zeros((seqs, n, kd, vd), _F32) if initial_state is None else initial_state.astype(_F32)
-    o, final = _differentiable(spec.scale, spec.chunk_size)(*(to_layout(x, layout) for x in (q, k, v, g)), init,
-                                                            layout.starts, layout.ends)
-    final = jnp.where((layout.lengths > 0)[:, None, None, None], final, init)
-    return from_layout(o, layout, t), final
+    return on_layout(_differentiable(spec.scale, spec.chunk_size), q, k, v, g, initial_state, cu_seqlens, spec.chunk_size)
 
 
 def lightning_attention(q, k, v, decay, initial_state, cu_seqlens, *, spec: GLASpec):

@@ -29,7 +29,6 @@ from jax.experimental.pallas import tpu as pltpu
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
-from forgeax.kernels.common.batching import fold_vmap_into_rows
 from forgeax.kernels.common.linear_recurrence import kernel_supports, with_vjp
 
 _F32 = jnp.float32
@@ -130,13 +129,12 @@ def _shift(v, fill, *, later: bool):
 @functools.cache
 def _differentiable(reverse: bool, config: LinearRecurrenceTpuConfig):
     scan = functools.partial(_scan, config=config)
-    forward = fold_vmap_into_rows(functools.partial(scan, backwards=reverse), row_args=(0, 1, 2))
-    backward_scan = fold_vmap_into_rows(functools.partial(scan, backwards=not reverse), row_args=(0, 1, 2))
+    forward = functools.partial(scan, backwards=reverse)
 
     def backward(g, a, h, h0):
         # dh_t = g_t + a_{t+1} dh_{t+1} (t-1 for a reverse op): the recurrence walking the other way.
         a_next = _shift(a.astype(_F32), None, later=not reverse)
-        dh = backward_scan(g.astype(_F32), a_next, None)
+        dh = scan(g.astype(_F32), a_next, None, backwards=not reverse)
         h_prev = _shift(h.astype(_F32), None if h0 is None else h0.astype(_F32), later=reverse)
         da = (dh * h_prev).astype(a.dtype)
         first = a.shape[1] - 1 if reverse else 0
