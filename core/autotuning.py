@@ -8,8 +8,8 @@ For each distinct call, every backend that accepts it on this platform is timed 
 inputs of the recorded shapes: forward, or forward and backward for a differentiated call.
 Candidates are compiled in a thread pool and timed one after another with `core/timing.py`
 (rounds interleaved); one that fails, or whose compile or first call runs past `timeout_s`, is
-recorded in the report and skipped. The result is a `Tuning` with, per call, each backend's
-fastest config, fastest first.
+recorded in the report and skipped. The result is a `Tuning` with, per call and mode, each
+backend's fastest config, fastest first.
 
 Integer and boolean arguments take the value of an argument of `fn` with the same shape and dtype
 when there is one (ragged_dot's group sizes, cross-entropy's targets passed to `fn`), else zeros
@@ -40,7 +40,7 @@ from forgeax.core.tuning import Call, Tuning, TuningEntry
 
 def find_calls(fn: Callable[..., Any], *args: Any, grad: bool = False, **kwargs: Any) -> tuple[Call, ...]:
     """The distinct forgeax op calls in `fn(*args, **kwargs)` (and in its VJP when `grad`); a call
-    seen both plain and differentiated is kept as differentiated."""
+    seen both plain and differentiated is kept once of each (timed "fwd" and "fwd+bwd")."""
     calls: list[Call] = []
     token = dispatch._CALLS.set(calls)
     try:
@@ -54,9 +54,7 @@ def find_calls(fn: Callable[..., Any], *args: Any, grad: bool = False, **kwargs:
     unique: dict[tuple, Call] = {}
     for call in calls:
         call = dataclasses.replace(call, differentiated=call.differentiated or grad)
-        key = (call.op, call.key, call.backend)
-        if key not in unique or (call.differentiated and not unique[key].differentiated):
-            unique[key] = call
+        unique.setdefault((call.op, call.key, call.backend, call.differentiated), call)
     return tuple(unique.values())
 
 

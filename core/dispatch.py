@@ -4,9 +4,11 @@ An `Op` is one public function's contract: a name, its backends (`Implementation
 lazily imported "module:ATTR" references), a `Selection` (priority + rules, as data) and a
 `features` function that describes a call to the rules. `backend=None` runs the backend of the
 first tuning entry for the call that accepts it (`core/tuning.py`: the active `Tuning`, then
-shipped ones); else it takes, in this order, the backends of the first "all" rule that fires,
-the platform priority, then `xla`, and runs the first whose `supports(...)` accepts the call; a
-"forward_only" rule that fires picks the forward of a call that is not differentiated (`_split`).
+shipped ones; fwd+bwd-timed entries first, and the first fwd-timed one picks the forward of a
+call that is not differentiated); else it takes, in this order, the backends of the first "all"
+rule that fires, the platform priority, then `xla`, and runs the first whose `supports(...)`
+accepts the call; a "forward_only" rule that fires picks the forward of a call that is not
+differentiated (`_split`).
 `backend="<name>"` runs that backend or raises `UnsupportedError`; "pallas" means the Pallas
 variant of this platform.
 
@@ -43,7 +45,8 @@ def _no_features(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Mapping[str,
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What one call runs: `backend` with `config`, and under a gradient `gradient_backend`
-    (with `gradient_config`) when a forward-only rule picked another forward."""
+    (with `gradient_config`) when a forward-only rule or a fwd-timed tuning entry picked another
+    forward."""
 
     backend: str
     impl: Implementation
@@ -56,6 +59,7 @@ class Choice:
     gradient_config: KernelConfig | None = None
     gradient_rule: Rule | None = None
     tuning: str | None = None  # the tuning entry that chose `backend`
+    gradient_tuning: str | None = None  # the tuning entry that chose `gradient_backend`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,12 +201,13 @@ class Op:
 
     def tuned(self, args: Sequence[Any], kwargs: Mapping[str, Any],
               device_kind: str) -> tuple[tuple[str, tuning.TuningEntry], ...]:
-        """(source, entry) of every tuning entry for this call, in the order they are consulted."""
+        """(source, entry) of every tuning entry for this call, in the order they are consulted
+        (per source, fwd+bwd-timed entries first)."""
         sources = tuning.sources()
         if not sources:
             return ()
         key = tuning.signature(args, kwargs)
-        return tuple((label, e) for label, t in sources for e in t.lookup(device_kind, self.name, key))
+        return _timed_first("fwd+bwd", [(label, e) for label, t in sources for e in t.lookup(device_kind, self.name, key)])
 
     def _tuned_config(self, impl: Implementation, name: str, tuned, args, kwargs, explicit: KernelConfig | None,
                       device_kind: str) -> tuple[KernelConfig | None, str]:
@@ -214,6 +219,16 @@ class Op:
         return impl.resolve_config(args, kwargs, explicit, device_kind)
 
     def _choose_tuned(self, tuned, platform: str, args, kwargs, device_kind: str) -> tuple[Choice | None, list[tuple[str, str]]]:
+        """The first fwd+bwd-timed tuning entry whose backend accepts the call (else the first
+        fwd-timed one), split with the first accepted fwd-timed entry when that names another
+        backend or config; or None and why each entry was refused."""
+        training, refused = self._first_tuned(_timed_first("fwd+bwd", tuned), platform, args, kwargs, device_kind)
+        if training is None or len({e.timed for _, e in tuned}) == 1:
+            return training, refused
+        forward, _ = self._first_tuned(_timed_first("fwd", tuned), platform, args, kwargs, device_kind)
+        return _with_gradient(forward, training), refused
+
+    def _first_tuned(self, tuned, platform: str, args, kwargs, device_kind: str) -> tuple[Choice | None, list[tuple[str, str]]]:
         """The first tuning entry whose backend accepts the call, or None and why each was refused."""
         skipped: list[tuple[str, str]] = []
         for label, entry in tuned:
@@ -262,8 +277,7 @@ class Op:
             fwd_name, fwd_impl, fwd_skipped = self._first_runnable(inference.prefer + order, platform, args, kwargs, None)
             if fwd_name != name:
                 fwd_cfg, fwd_source = self._tuned_config(fwd_impl, fwd_name, tuned, args, kwargs, None, device_kind)
-                choice = Choice(fwd_name, fwd_impl, fwd_cfg, fwd_source, inference, fwd_skipped,
-                                gradient_backend=name, gradient_impl=impl, gradient_config=cfg, gradient_rule=training)
+                choice = _with_gradient(Choice(fwd_name, fwd_impl, fwd_cfg, fwd_source, inference, fwd_skipped), choice)
         return choice
 
     def describe_call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
@@ -310,6 +324,23 @@ class Op:
         return choice.impl.call(args, kwargs, choice.config)
 
 
+def _timed_first(timed: str, tuned):
+    """`tuned` ((source, entry) pairs, grouped by source) with each source's entries timed `timed`
+    before its others: a source consulted earlier still wins."""
+    sources = list(dict.fromkeys(label for label, _ in tuned))
+    return tuple(sorted(tuned, key=lambda pair: (sources.index(pair[0]), pair[1].timed != timed)))
+
+
+def _with_gradient(forward: Choice, training: Choice) -> Choice:
+    """`forward` runs the call and `training` its gradient (`_split`); `training` alone when
+    they run the same backend and config."""
+    if (forward.backend, forward.config) == (training.backend, training.config):
+        return training
+    return dataclasses.replace(forward, gradient_backend=training.backend, gradient_impl=training.impl,
+                               gradient_config=training.config, gradient_rule=training.rule,
+                               gradient_tuning=training.tuning)
+
+
 def _entry_config(impl: Implementation, entry: tuning.TuningEntry) -> KernelConfig | None:
     """The config a tuning entry names, or None (with a warning) when it no longer fits."""
     if impl.config_type is None:
@@ -336,7 +367,8 @@ def _decision(op: Op, args, kwargs, backend: str | None, choice: Choice) -> Deci
     config = f"{choice.config} [{choice.config_source}]" if choice.config is not None else ""
     gradient = None
     if choice.gradient_backend is not None:
-        gradient = f"{choice.gradient_backend} ({_rule_text(choice.gradient_rule, None)})"
+        trained = f" with {choice.gradient_config}" if choice.gradient_config is not None else ""
+        gradient = f"{choice.gradient_backend}{trained} ({_rule_text(choice.gradient_rule, None, choice.gradient_tuning)})"
     return Decision(op.name, op.describe_call(args, kwargs), choice.backend, config,
                     _rule_text(choice.rule, backend, choice.tuning), choice.skipped, gradient, choice.gradient_backend,
                     _alternatives(op, args, kwargs, choice))
@@ -346,7 +378,10 @@ def _alternatives(op: Op, args, kwargs, choice: Choice) -> tuple[tuple[str, str]
     """For each backend neither chosen nor skipped: whether it could run the call, and its time
     in a tuning entry."""
     platform, device_kind = runtime.current_platform(), runtime.current_device_kind()
-    timed = {e.backend: e for _, e in reversed(op.tuned(args, kwargs, device_kind))}
+    measured: dict[str, dict[str, float]] = {}  # backend -> mode -> seconds of its first entry
+    for _, e in op.tuned(args, kwargs, device_kind):
+        if e.seconds is not None:
+            measured.setdefault(e.backend, {}).setdefault(e.timed, e.seconds)
     taken = {choice.backend, choice.gradient_backend} | {name for name, _ in choice.skipped}
     found = []
     for name in op.backends:
@@ -354,9 +389,8 @@ def _alternatives(op: Op, args, kwargs, choice: Choice) -> tuple[tuple[str, str]
             continue
         impl = op.implementation(name)
         reason = impl if isinstance(impl, str) else impl.why_not(platform, args, kwargs)
-        entry = timed.get(name)
-        measured = f" ({entry.seconds * 1e3:.4g} ms {entry.timed} in the tuning)" if entry and entry.seconds is not None else ""
-        found.append((name, (reason or "could run this call") + measured))
+        times = ", ".join(f"{seconds * 1e3:.4g} ms {timed}" for timed, seconds in measured.get(name, {}).items())
+        found.append((name, (reason or "could run this call") + (f" ({times} in the tuning)" if times else "")))
     return tuple(found)
 
 

@@ -2,17 +2,21 @@
 
 An entry says: on a device whose kind starts with `device`, a call of `op` whose signature is
 `key` (its arrays' shapes and dtypes and its options, `signature`) runs `backend` with
-`config` (a dict of the kernel config's fields, or None for the backend's default). A call
-signature may have entries for several backends, fastest first: `backend=None` takes the first
-whose backend accepts the call; `backend="x"` takes x's entry for its config.
+`config` (a dict of the kernel config's fields, or None for the backend's default), as timed
+`timed`: "fwd" (forward only) or "fwd+bwd" (forward and backward). A call signature may have
+entries for several backends and both modes, fastest first per mode: `backend=None` takes the
+first fwd+bwd entry whose backend accepts the call (fwd entries when none does) and, when the
+first accepted fwd entry names another backend or config, runs that one where the call is not
+differentiated (dispatch's split, as for a "forward_only" rule); entries of one mode serve
+both. `backend="x"` takes x's entry (fwd+bwd first) for its config.
 
 For one call, first found wins: explicit `backend=` / `config=` > the active tuning (`with
 tuning:`; nested blocks merge, inner wins) > tunings made in this process by FORGEAX_AUTOTUNE=1
 > the tunings shipped in the wheel (`forgeax/ops/tunings/*.json`) > selection rules, tuned
-config files and heuristics. `a | b` merges (b wins per call signature). `dumps()` / `loads()`
-round-trip JSON stamped with the library version; entries of another version, for another
-device kind, or whose config no longer fits the kernel's config class are ignored with a
-warning. The active tuning is a context variable, so threads and tasks each see their own.
+config files and heuristics. `a | b` merges (b wins per call signature and mode). `dumps()` /
+`loads()` round-trip JSON stamped with the library version; entries of another version, for
+another device kind, or whose config no longer fits the kernel's config class are ignored with
+a warning. The active tuning is a context variable, so threads and tasks each see their own.
 """
 
 from __future__ import annotations
@@ -134,31 +138,37 @@ class TuningEntry:
     seconds: float | None = None
     timed: str = "fwd"
 
+    @property
+    def identity(self) -> tuple[str, str, str, str, str]:
+        """What a `Tuning` keys it by: one entry per device, op, call signature, backend and mode."""
+        return (self.device, self.op, self.key, self.backend, self.timed)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"config": dict(self.config) if self.config is not None else None}
 
     def __str__(self) -> str:
-        measured = f", {self.seconds * 1e3:.4g} ms {self.timed}" if self.seconds is not None else ""
+        measured = f", {self.seconds * 1e3:.4g} ms {self.timed}" if self.seconds is not None else f", {self.timed}"
         return f"tuning entry {self.op}[{self.key}] on {self.device} -> {self.backend}{measured}"
 
 
 class Tuning(Mapping):
-    """Immutable mapping (device, op, key, backend) -> `TuningEntry`; a context manager.
+    """Immutable mapping (device, op, key, backend, timed) -> `TuningEntry`; a context manager.
 
-    Entries of one (device, op, key) keep their order: the first is what `backend=None` runs.
+    Entries of one (device, op, key) keep their order: per mode, the first is what `backend=None`
+    runs. A file whose entries have one mode (or no `timed`: "fwd") serves both modes.
     `report` holds what the autotuner measured and what failed (kept through dumps/loads)."""
 
     def __init__(self, entries: Sequence[TuningEntry] = (), *, report: Sequence[Mapping[str, Any]] = ()) -> None:
-        self._entries: dict[tuple[str, str, str, str], TuningEntry] = {}
+        self._entries: dict[tuple[str, str, str, str, str], TuningEntry] = {}
         for e in entries:
-            self._entries[(e.device, e.op, e.key, e.backend)] = e
+            self._entries[e.identity] = e
         self.report = tuple(report)
         self._tokens: dict[int, list[contextvars.Token]] = {}
 
-    def __getitem__(self, key: tuple[str, str, str, str]) -> TuningEntry:
+    def __getitem__(self, key: tuple[str, str, str, str, str]) -> TuningEntry:
         return self._entries[key]
 
-    def __iter__(self) -> Iterator[tuple[str, str, str, str]]:
+    def __iter__(self) -> Iterator[tuple[str, str, str, str, str]]:
         return iter(self._entries)
 
     def __len__(self) -> int:
@@ -172,14 +182,15 @@ class Tuning(Mapping):
         return tuple(self._entries.values())
 
     def __or__(self, other: Tuning) -> Tuning:
-        """Merged; for a call signature `other` has entries for, its order comes first."""
+        """Merged; for a call signature and mode `other` has entries for, its order comes first
+        (an entry of one mode never replaces one of the other)."""
         if not isinstance(other, Tuning):
             return NotImplemented
-        kept = [e for e in self.entries if (e.device, e.op, e.key, e.backend) not in other]
+        kept = [e for e in self.entries if e.identity not in other]
         return Tuning(other.entries + tuple(kept), report=self.report + other.report)
 
     def lookup(self, device_kind: str, op: str, key: str) -> tuple[TuningEntry, ...]:
-        """The entries for this call on this device kind, best first."""
+        """The entries for this call on this device kind, best first per mode."""
         return tuple(e for e in self._entries.values() if e.op == op and e.key == key and device_kind.startswith(e.device))
 
     # -- JSON -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Tunings: JSON round trip and merge, the context manager's precedence, stale entries, fallback
-when a tuned backend refuses a call, autotune (inside jax.grad too) and FORGEAX_AUTOTUNE."""
+when a tuned backend refuses a call, fwd and fwd+bwd entries (a split), autotune (inside
+jax.grad too) and FORGEAX_AUTOTUNE."""
 
 from __future__ import annotations
 
@@ -61,10 +62,62 @@ def test_round_trip_and_merge_right_wins():
     merged = a | b
     assert [e.backend for e in merged.lookup("NVIDIA H100 80GB HBM3", "attention", "k1")] == ["pallas_gpu", "triton", "xla"]
     assert [e.backend for e in (b | a).lookup("NVIDIA H100", "attention", "k1")] == ["triton", "xla", "pallas_gpu"]
-    assert len(merged) == 4 and merged[("NVIDIA H100", "rms_norm", "k2", "xla")].backend == "xla"
+    assert len(merged) == 4 and merged[("NVIDIA H100", "rms_norm", "k2", "xla", "fwd")].backend == "xla"
     assert merged.lookup("NVIDIA H200", "attention", "k1") == ()
     with pytest.raises(ValueError, match="not a forgeax tuning"):
         Tuning.loads('{"entries": []}')
+
+
+def test_merge_and_round_trip_keep_each_mode():
+    a = Tuning([TuningEntry("NVIDIA H100", "rms_norm", "k", "xla", None, 2e-4, "fwd"),
+                TuningEntry("NVIDIA H100", "rms_norm", "k", "triton", None, 5e-4, "fwd+bwd")])
+    b = Tuning([TuningEntry("NVIDIA H100", "rms_norm", "k", "triton", None, 1e-4, "fwd"),
+                TuningEntry("NVIDIA H100", "rms_norm", "k", "xla", None, 9e-4, "fwd+bwd")])
+    merged = a | b
+    assert len(merged) == 4  # an entry of one mode never replaces one of the other
+    assert merged[("NVIDIA H100", "rms_norm", "k", "triton", "fwd+bwd")].seconds == 5e-4
+    assert [(e.backend, e.timed) for e in merged.lookup("NVIDIA H100", "rms_norm", "k")] == [
+        ("triton", "fwd"), ("xla", "fwd+bwd"), ("xla", "fwd"), ("triton", "fwd+bwd")]  # b first, per mode
+    again = a | Tuning([TuningEntry("NVIDIA H100", "rms_norm", "k", "xla", None, 3e-4, "fwd")])
+    assert len(again) == 2 and again[("NVIDIA H100", "rms_norm", "k", "xla", "fwd")].seconds == 3e-4  # same mode: replaced
+    assert Tuning.loads(merged.dumps()).entries == merged.entries
+
+
+def test_fwd_and_fwd_bwd_entries_split_forward_and_gradient(probe):
+    x = jnp.ones((4, 6))
+    f = jax.jit(lambda x: jnp.sum(probe(x)))  # traced once: the split decides per use, not per trace
+    with Tuning([_entry(x, "xla", seconds=1e-6), _entry(x, "kern", {"scale": 5}, seconds=2e-6, timed="fwd+bwd"),
+                 _entry(x, "xla", seconds=3e-6, timed="fwd+bwd")]):
+        assert float(f(x)) == 2.0 * 24  # forward only: the fwd entry's xla
+        assert float(jax.grad(f)(x)[0, 0]) == 5.0  # differentiated: the fwd+bwd entry's kern
+        assert float(jax.grad(jax.checkpoint(jax.jit(f)))(x)[0, 0]) == 5.0
+        value, _ = jax.value_and_grad(f)(x)
+        assert float(value) == 5.0 * 24  # a value and its gradient come from one backend
+        decision = forgeax.explain(f, x).decisions[0]
+    assert (decision.backend, decision.gradient_backend) == ("xla", "kern")
+    assert decision.rule.startswith("active tuning: tuning entry tuning_probe[float32[4,6]]") and decision.rule.endswith("-> xla, 0.001 ms fwd")
+    assert decision.gradient.startswith("kern with ScaleConfig(scale=5) (active tuning: tuning entry")
+    assert decision.gradient.endswith("-> kern, 0.002 ms fwd+bwd)")
+    f = jax.jit(lambda x: jnp.sum(probe(x)))  # a function jitted again: traced under the next tuning
+    with Tuning([_entry(x, "kern", {"scale": 4}), _entry(x, "kern", {"scale": 6}, timed="fwd+bwd")]):
+        assert float(f(x)) == 4.0 * 24 and float(jax.grad(f)(x)[0, 0]) == 6.0  # one backend, two configs
+    with Tuning([_entry(x, "kern", {"scale": 4}), _entry(x, "kern", {"scale": 4}, timed="fwd+bwd")]):
+        assert forgeax.explain(f, x).decisions[0].gradient is None  # the same in both modes: no split
+    y = jnp.ones((4, 5))  # kern refuses odd widths: the gradient falls back to the fwd entries' xla
+    with Tuning([_entry(y, "xla"), _entry(y, "kern", {"scale": 5}, timed="fwd+bwd")]):
+        decision = forgeax.explain(jax.grad(lambda y: jnp.sum(probe(y))), y).decisions[0]
+    assert (decision.backend, decision.gradient) == ("xla", None) and decision.skipped[0][0] == "kern"
+
+
+def test_a_file_with_one_mode_serves_both(probe):
+    x = jnp.ones((4, 6))
+    f = lambda x: jnp.sum(probe(x))  # noqa: E731
+    old = json.loads(Tuning([_entry(x, "kern", {"scale": 5})]).dumps())
+    del old["entries"][0]["timed"]  # an older file: no mode, read as fwd
+    for entries in (old["entries"], [dict(old["entries"][0], timed="fwd+bwd")]):
+        with Tuning.loads(json.dumps(dict(old, entries=entries))):
+            assert float(jax.jit(f)(x)) == 5.0 * 24 and float(jax.grad(f)(x)[0, 0]) == 5.0
+            assert forgeax.explain(jax.grad(f), x).decisions[0].gradient is None
 
 
 def test_active_tuning_sets_backend_and_config_and_explain_names_the_entry(probe):
@@ -149,6 +202,18 @@ def test_autotune_finds_calls_inside_grad_times_them_and_round_trips(probe):
     assert decision.backend == probe_entries[0].backend and decision.rule.startswith("active tuning")
 
 
+def test_autotune_times_a_call_made_plain_and_differentiated_in_both_modes(probe):
+    x = jnp.ones((2, 8))
+
+    def both(x):
+        return probe(x), jax.grad(lambda x: jnp.sum(probe(x)))(x)
+
+    assert sorted(c.differentiated for c in autotuning.find_calls(both, x)) == [False, True]
+    tuned = forgeax.autotune(both, x, rounds=1, calls=1, progress=False, timeout_s=3, max_configs=2)
+    entries = tuned.lookup(core.current_device_kind(), "tuning_probe", tuning.signature((x,), {}))
+    assert sorted((e.timed, e.backend) for e in entries) == [("fwd", "kern"), ("fwd", "xla"), ("fwd+bwd", "kern"), ("fwd+bwd", "xla")]
+
+
 def test_autotune_inputs_take_integer_values_from_the_functions_arguments():
     sizes = jnp.array([3, 0, 5], jnp.int32)
     call = tuning.Call.of("ragged_dot", (jnp.ones((8, 4)), jnp.ones((3, 4, 2)), sizes, jnp.ones(5, jnp.int32)), {})
@@ -190,4 +255,7 @@ def test_a_tuning_from_bench_results_orders_backends_by_time_for_the_calls_signa
     x, scale = jnp.zeros((4096, 1024)), jnp.zeros((1024,))
     (call,) = autotuning.find_calls(lambda x: ops.rms_norm(x, scale), x)
     entries = made.lookup("NVIDIA H100 80GB HBM3", "rms_norm", call.key)
-    assert [(e.backend, e.timed) for e in entries] == [("xla", "fwd+bwd"), ("triton", "fwd+bwd")]  # fwd+bwd wins
+    assert sorted((e.timed, e.backend, e.seconds) for e in entries) == [
+        ("fwd", "triton", 1e-4), ("fwd", "xla", 2e-4), ("fwd+bwd", "triton", 7e-4), ("fwd+bwd", "xla", 5e-4)]
+    by_mode = {t: [e.backend for e in entries if e.timed == t] for t in ("fwd", "fwd+bwd")}
+    assert by_mode == {"fwd": ["triton", "xla"], "fwd+bwd": ["xla", "triton"]}  # each mode's order, fastest first

@@ -17,7 +17,8 @@ the entries match (default: this device's full kind).
 
 makes the backend choice of each benchmarked call from committed `tools/bench.py` results
 instead (no device needed): per op, named shape and mode, the backends by median time, fastest
-first, for the call signature that shape traces to (fwd+bwd entries win over fwd ones).
+first, for the call signature that shape traces to: fwd and fwd+bwd entries side by side, so a
+call that is not differentiated runs the fwd winner and a differentiated one the fwd+bwd winner.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], forgeax.Tuning]:
 
 
 def tuning_from_bench(paths: list[str], device: str | None = None) -> forgeax.Tuning:
-    """The measured backend order of every (op, shape, mode) in `tools/bench.py` result files."""
+    """The measured backend order of every (op, shape, mode) in `tools/bench.py` result files,
+    as entries timed in that mode."""
     from forgeax.core.autotuning import find_calls  # noqa: PLC0415
 
     merged = forgeax.Tuning()
@@ -121,7 +123,7 @@ def tuning_from_bench(paths: list[str], device: str | None = None) -> forgeax.Tu
         for r in data["results"]:
             if bench.selectable(r["backend"]):
                 groups.setdefault((r["op"], r["shape"], r["mode"]), []).append(r)
-        for (op, shape_name, mode), rows in sorted(groups.items(), key=lambda g: g[0][2] == "fwd+bwd"):
+        for (op, shape_name, mode), rows in groups.items():
             spec = bench_specs.SPECS.get(op)
             shape = next((s for s in spec.shapes if s.name == shape_name), None) if spec else None
             if shape is None:

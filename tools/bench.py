@@ -171,8 +171,10 @@ def selectable(backend: str) -> bool:
 
 
 def explained(fn: Any, inputs: Sequence[Any]) -> list[str]:
-    """What the selection runs for `fn` on `inputs`, 'op: backend config' per call."""
-    return [f"{d.op}: {d.backend} {d.config}" for d in forgeax.explain(fn, *inputs).decisions]
+    """What the selection runs for `fn` on `inputs`, 'op: backend config' per call (and what runs
+    under a gradient when that differs)."""
+    return [f"{d.op}: {d.backend} {d.config}" + (f"; under a gradient: {d.gradient}" if d.gradient else "")
+            for d in forgeax.explain(fn, *inputs).decisions]
 
 
 def decisions(fn: Any, inputs: Sequence[Any]) -> list[str]:
