@@ -167,7 +167,6 @@ def _cases(backend):
         mla = lambda *a: ops.mla_decode(*a[:5], page_table=a[5], scale=0.2, return_lse=True, backend=backend)  # noqa: E731
         mla_contiguous_fn = lambda *a: ops.mla_decode(*a, scale=0.2, return_lse=True, backend=backend)  # noqa: E731
         ragged_fn = functools.partial(ops.ragged_paged_attention, causal=True, scale=0.3, backend=backend)
-    mla_in = _mla_inputs(True)
     return {
         "paged_attention": (paged, _paged_inputs(2), (Q, _cache(2, True), _cache(2, True), ("b",), ("b", None)),
                             ("batch", "heads", "batch_heads")),
@@ -175,7 +174,7 @@ def _cases(backend):
         "paged_attention_mqa": (paged, _paged_inputs(1), (Q, _cache(1, True), _cache(1, True), ("b",), ("b", None)),
                                 ("heads",)),
         "decode_attention": (decode_fn, _decode_inputs(), (Q, _cache(2, False), _cache(2, False), ("b",)), ("batch_heads",)),
-        "mla_decode_paged": (mla, mla_in, (Q, Q, (None,) * 3, (None,) * 3, ("b",), ("b", None)), ("batch_heads",)),
+        "mla_decode_paged": (mla, _mla_inputs(True), (Q, Q, (None,) * 3, (None,) * 3, ("b",), ("b", None)), ("batch_heads",)),
         "mla_decode": (mla_contiguous_fn, _mla_inputs(False)[:5], (Q, Q, ("b", None, None), ("b", None, None), ("b",)),
                        ("batch", "batch_heads")),
         "ragged_paged_attention": (ragged_fn, _ragged_inputs(2), ((None, "h", None), _cache(2, True), _cache(2, True),
