@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import split_launch, split_multiple_of
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -106,10 +107,10 @@ def matmul_precision(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def matmul(a: jax.Array, b: jax.Array, *, transpose_a: bool = False, transpose_b: bool = False, out_dtype=None) -> jax.Array:
-    """a @ b (either side transposed) with f32 accumulation, rounded to `out_dtype` (a's dtype)."""
-    dims = (((0,) if transpose_a else (1,)), ((1,) if transpose_b else (0,)))
-    out = jax.lax.dot_general(a, b, (dims, ((), ())), precision=matmul_precision(a.dtype), preferred_element_type=jnp.float32)
+def contract(a: jax.Array, b: jax.Array, a_axes, b_axes, out_dtype=None) -> jax.Array:
+    """a and b contracted over a_axes / b_axes (f32 accumulation), rounded to `out_dtype` (a's)."""
+    dims = ((tuple(a_axes), tuple(b_axes)), ((), ()))
+    out = jax.lax.dot_general(a, b, dims, precision=matmul_precision(a.dtype), preferred_element_type=jnp.float32)
     return out.astype(out_dtype or a.dtype)
 
 
@@ -118,38 +119,74 @@ Backward = Callable[..., tuple[jax.Array, jax.Array | None]]
 
 
 def _from_preactivations(pre, dh, activation, want_h):
-    """(dpre [M, 2N], h or None) from the saved [gate | up]: one XLA elementwise fusion."""
-    n = dh.shape[1]
-    gate, up = pre[:, :n].astype(jnp.float32), pre[:, n:].astype(jnp.float32)
+    """(dpre [..., 2, N], h or None) from the saved [gate | up] `[..., 2, N]`: one XLA elementwise fusion."""
+    gate, up = pre[..., 0, :].astype(jnp.float32), pre[..., 1, :].astype(jnp.float32)
     a, da = activate_and_derivative(gate, activation)
     d = dh.astype(jnp.float32)
-    dpre = jnp.concatenate([d * up * da, d * a], axis=1).astype(dh.dtype)
+    dpre = jnp.stack([d * up * da, d * a], axis=-2).astype(dh.dtype)
     return dpre, (a * up).astype(dh.dtype) if want_h else None
 
 
+def _split_launch(kernel, outs: tuple[str, ...], n_multiple: int):
+    """kernel(x2 [m, K], w_gate, w_up[, dh2 [m, N]]) over x's rows (all axes but the last),
+    as a launch the SPMD partitioner splits (kernels/common/partitioning.py `split_launch`) over
+    the rows (any leading axes, data parallelism) and the hidden axis N of the weights, dh and the
+    outputs (tensor parallelism: each device's kernel on its own columns of w_gate / w_up, no
+    communication); K stays whole. outs: per kernel output, "h" ([m, N]) or "pre" ([m, 2N] as
+    [gate | up], returned as [..., 2, N] so that a split N stays a split of the last axis). N is
+    split only into multiples of `n_multiple` (the kernel's column granule)."""
+
+    def local(x, w_gate, w_up, dh, guard):
+        del guard
+        lead = x.shape[:-1]
+        m = math.prod(lead)
+        extra = () if dh is None else (dh.reshape(m, dh.shape[-1]),)
+        results = kernel(x.reshape(m, x.shape[-1]), w_gate, w_up, *extra)
+        results = results if isinstance(results, tuple) else (results,)
+        return tuple(None if r is None else r.reshape(lead + ((2, r.shape[1] // 2) if kind == "pre" else (r.shape[1],)))
+                     for r, kind in zip(results, outs))
+
+    def launch(x, w_gate, w_up, dh=None):
+        rows = tuple(f"r{i}" for i in range(x.ndim - 1))
+        dims = ((*rows, None), (None, None, "n") if w_up is None else (None, "n"), (None, "n"), (*rows, "n"), ("n",))
+        odims = tuple(((*rows, "n") if kind == "h" else (*rows, None, "n"), ()) for kind in outs)
+        guard = split_multiple_of(hidden_size(w_gate, w_up), n_multiple)
+        return split_launch(local, dims, odims)(x, w_gate, w_up, dh, guard)
+
+    return launch
+
+
 def differentiable_gated_mlp(forward: Forward, backward: Backward,
-                             forward_saving: Callable[..., tuple[jax.Array, jax.Array]] | None = None) -> Callable[..., jax.Array]:
+                             forward_saving: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
+                             *, n_multiple: int = 1) -> Callable[..., jax.Array]:
     """`fn(x, w_gate, w_up, w_down, *, spec, config)`: the op with a custom_vjp around a backend's
     kernels (module docstring). `w_up` None = fused `[K, 2, N]` w_gate; `w_down` may be None.
-    `forward_saving` (optional) runs under differentiation when `config.save_preactivations`."""
+    `forward_saving` (optional) runs under differentiation when `config.save_preactivations`.
+
+    Under jit with sharded arrays the kernels run on each device's rows of x and columns N of the
+    weights (`_split_launch`, N split only into multiples of `n_multiple`); XLA partitions the
+    plain products around them: with N split, y = h @ w_down and dx are partial sums over the
+    N shards (one all-reduce each, Megatron's), weight gradients are summed over the row shards."""
+
+    def rows_of(a):  # a row axis for a single token (the launch and vmap folding need one)
+        return a if a.ndim > 1 else a[None]
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
     def run(x, w_gate, w_up, w_down, spec, config):
         return _forward(x, w_gate, w_up, w_down, spec, config, save=False)[0]
 
     def _forward(x, w_gate, w_up, w_down, spec, config, save):
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k)
+        xr = rows_of(x)
         # Kernel launches have no batching rule; rows of x are independent, so a vmap over x alone
         # folds into the rows (over the weights: one launch per batch element).
         if save:
             kernel = functools.partial(forward_saving, activation=spec.activation, config=config)
-            h, pre = fold_vmap_into_rows(kernel, (0,))(x2, w_gate, w_up)
+            h, pre = fold_vmap_into_rows(_split_launch(kernel, ("h", "pre"), n_multiple), (0,))(xr, w_gate, w_up)
         else:
             kernel = functools.partial(forward, activation=spec.activation, config=config)
-            h, pre = fold_vmap_into_rows(kernel, (0,))(x2, w_gate, w_up), None
-        y = h if w_down is None else matmul(h, w_down)
-        return y.reshape(*lead, y.shape[-1]), (x, w_gate, w_up, w_down, pre)
+            (h,), pre = fold_vmap_into_rows(_split_launch(kernel, ("h",), n_multiple), (0,))(xr, w_gate, w_up), None
+        y = h if w_down is None else contract(h, w_down, (h.ndim - 1,), (0,))
+        return y.reshape(*x.shape[:-1], y.shape[-1]), (x, w_gate, w_up, w_down, pre)
 
     def fwd(x, w_gate, w_up, w_down, spec, config):
         save = forward_saving is not None and bool(getattr(config, "save_preactivations", False))
@@ -157,24 +194,28 @@ def differentiable_gated_mlp(forward: Forward, backward: Backward,
 
     def bwd(spec, config, residuals, dy):
         x, w_gate, w_up, w_down, pre = residuals
-        k = x.shape[-1]
-        n = hidden_size(w_gate, w_up)
-        x2 = x.reshape(-1, k)
-        dy2 = dy.reshape(x2.shape[0], -1).astype(x.dtype)
-        dh = dy2 if w_down is None else matmul(dy2, w_down, transpose_b=True)
+        xr = rows_of(x)
+        last = xr.ndim - 1
+        lead = tuple(range(last))
+        dy = dy.reshape(*xr.shape[:-1], dy.shape[-1]).astype(x.dtype)
+        dh = dy if w_down is None else contract(dy, w_down, (last,), (1,))
         if pre is None:
             kernel = functools.partial(backward, activation=spec.activation, config=config, want_h=w_down is not None)
-            dpre, h = fold_vmap_into_rows(kernel, (0, 3))(x2, w_gate, w_up, dh)
+            launch = _split_launch(kernel, ("pre", "h"), n_multiple)
+            dpre, h = fold_vmap_into_rows(launch, (0, 3))(xr, w_gate, w_up, dh)
         else:
             dpre, h = _from_preactivations(pre, dh, spec.activation, w_down is not None)
-        dw_down = None if w_down is None else matmul(h, dy2, transpose_a=True, out_dtype=w_down.dtype)
-        # W = [w_gate | w_up] as [K, 2N]: free for the fused form, one weight-sized copy otherwise.
-        w_cat = w_gate.reshape(k, 2 * n) if w_up is None else jnp.concatenate([w_gate, w_up], axis=1)
-        dx = matmul(dpre, w_cat, transpose_b=True).reshape(x.shape)
-        dw = matmul(x2, dpre, transpose_a=True, out_dtype=w_gate.dtype)
+        # dpre [..., 2, N] against W = [w_gate | w_up] as [K, 2, N] (the fused form as it is; one
+        # weight-sized copy otherwise): one product each over the gate/up pair.
+        dw_down = None if w_down is None else contract(h, dy, lead, lead, out_dtype=w_down.dtype)
+        w3 = w_gate if w_up is None else jnp.stack([w_gate, w_up], axis=1)
+        dx = contract(dpre, w3, (last, last + 1), (1, 2)).reshape(x.shape)
+        # As [2, N, K], then transposed ([K, M] x [M, 2, N] has no bf16 kernel on XLA's CPU backend;
+        # on GPUs XLA can fold the transpose into the product's output layout).
+        dw = jnp.moveaxis(contract(dpre, xr, lead, lead, out_dtype=w_gate.dtype), -1, 0)
         if w_up is None:
-            return dx, dw.reshape(w_gate.shape), None, dw_down
-        return dx, dw[:, :n], dw[:, n:].astype(w_up.dtype), dw_down
+            return dx, dw, None, dw_down
+        return dx, dw[:, 0], dw[:, 1].astype(w_up.dtype), dw_down
 
     run.defvjp(fwd, bwd)
     return run

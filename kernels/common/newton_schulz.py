@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import ROWS, rowwise
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ITERATION_DTYPE = jnp.bfloat16
@@ -143,8 +144,12 @@ def newton_schulz_with(kernels: Kernels) -> Callable[..., jax.Array]:
         transpose = g.shape[-2] > g.shape[-1]
         x = normalise(jnp.swapaxes(g, -1, -2) if transpose else g, spec.eps)
         lead, (m, n) = x.shape[:-2], x.shape[-2:]
-        folded = fold_vmap_into_rows(lambda x3: run(x3, spec, config), row_args=(0,))
-        out = folded(x.reshape((-1, m, n))).reshape(lead + (m, n))
+        xb = x if lead else x[None]
+        # The kernels see [batch, M, N]; the leading axes stay down to the launch, which the SPMD
+        # partitioner splits over them (kernels/common/partitioning.py `rowwise`): a batch of
+        # matrices sharded over any of its axes runs each device's whole matrices there.
+        launch = rowwise(lambda x3: run(x3, spec, config), (ROWS,), ROWS, row_ndim=xb.ndim - 2)
+        out = fold_vmap_into_rows(launch, row_args=(0,))(xb).reshape(lead + (m, n))
         out = jnp.swapaxes(out, -1, -2) if transpose else out
         return out.astype(g.dtype)
 

@@ -435,3 +435,13 @@ def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequ
 
     return call
 
+
+def split_multiple_of(size: int, multiple: int) -> jax.Array | None:
+    """An extra `split_launch` argument for an axis of `size` that a kernel takes only in multiples
+    of `multiple` (its tile): give it the axis' label, after the arguments that have it. Its
+    `size / multiple` elements must divide too, so the label is split only into multiples of
+    `multiple` (else it stays whole). None (no constraint) when `multiple` is 1 or does not
+    divide `size` (such a call is refused by the kernel anyway)."""
+    if multiple <= 1 or size % multiple:
+        return None
+    return jnp.zeros((size // multiple,), jnp.int8)

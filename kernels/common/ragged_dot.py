@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from forgeax.kernels.common.batching import ManualAxes
+from forgeax.kernels.common.partitioning import split_launch, split_multiple_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +67,61 @@ def row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, 
     return group, row0.astype(jnp.int32), row1.astype(jnp.int32), tile_end[-1:]
 
 
-def differentiable_ragged_dot(forward, transposed):
+def rows_group_sizes(group_sizes: jax.Array, m_total: int, row0: jax.Array, m: int) -> jax.Array:
+    """The group sizes of rows [row0, row0 + m) of an M = m_total row lhs: each group's rows cut
+    to that range (int32 [G]); the whole range (row0 = 0, m = m_total) gives the clipped sizes."""
+    starts, ends = group_bounds(group_sizes, m_total)
+    return (jnp.clip(ends, row0, row0 + m) - jnp.clip(starts, row0, row0 + m)).astype(jnp.int32)
+
+
+def _split(kernel, m_total: int, arg_dims, out_dims, guards):
+    """kernel(a, b, group_sizes, **kw) as a launch the SPMD partitioner splits
+    (kernels/common/partitioning.py `split_launch`) over the labelled axes: rows "m" of a (and
+    b) get their shard's group sizes from the global offsets (a [M] row index rides along,
+    split like the rows, for the shard's first row)."""
+
+    def local(a, b, group_sizes, rows, *guard, **kw):
+        del guard
+        return (kernel(a, b, rows_group_sizes(group_sizes, m_total, rows[0], a.shape[0]), **kw),)
+
+    def call(a, b, group_sizes, **kw):
+        dims = arg_dims + ((None,), ("m",)) + tuple((label,) for label, _ in guards)
+        launch = split_launch(functools.partial(local, **kw), dims, (out_dims,))
+        extra = tuple(split_multiple_of(size, multiple) for _, (size, multiple) in guards)
+        return launch(a, b, group_sizes, jnp.arange(m_total, dtype=jnp.int32), *extra)[0]
+
+    return call
+
+
+def split_kernels(forward, transposed, multiple: int = 1):
+    """The two kernels as launches split under sharding (`_split`): rows M of lhs, the output
+    axis of rhs (N, or K read transposed) and the contraction axis (partial products all-reduced
+    over its shards); `transposed` over rows (its [G, K, N] summed over the row shards), K and N.
+    K and N are split only into multiples of `multiple` (the kernels' tile granule)."""
+
+    def forward_split(lhs, rhs, group_sizes, *, out_dtype, config, transpose_rhs):
+        c, o = (2, 1) if transpose_rhs else (1, 2)
+        rhs_dims = (None, "c", "o") if not transpose_rhs else (None, "o", "c")
+        guards = (("c", (int(rhs.shape[c]), multiple)), ("o", (int(rhs.shape[o]), multiple)))
+        call = _split(forward, int(lhs.shape[0]), (("m", "c"), rhs_dims), (("m", "o"), ("c",)), guards)
+        return call(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config, transpose_rhs=transpose_rhs)
+
+    def transposed_split(lhs, dout, group_sizes, *, out_dtype, config):
+        guards = (("a", (int(lhs.shape[1]), multiple)), ("b", (int(dout.shape[1]), multiple)))
+        call = _split(transposed, int(lhs.shape[0]), (("m", "a"), ("m", "b")), ((None, "a", "b"), ("m",)), guards)
+        return call(lhs, dout, group_sizes, out_dtype=out_dtype, config=config)
+
+    return forward_split, transposed_split
+
+
+def differentiable_ragged_dot(forward, transposed, *, multiple: int = 1):
     """(ragged_dot, ragged_dot_transposed) with custom VJPs from two kernels:
 
     forward(lhs, rhs, group_sizes, *, out_dtype, config, transpose_rhs) -> [M, N] (or [M, K]
     with rhs read as [G, N, K]); transposed(lhs, dout, group_sizes, *, out_dtype, config) ->
-    [G, K, N]."""
+    [G, K, N]. Under jit with sharded arrays each device runs them on its own rows and K / N
+    columns (`split_kernels`, K and N split only into multiples of `multiple`)."""
+    forward, transposed = split_kernels(forward, transposed, multiple)
 
     # Inside shard_map the kernels' outputs lose their varying-axes type; it is restored inside
     # the custom_vjps (never differentiated), and each gradient is typed like its primal.

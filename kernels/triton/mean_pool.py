@@ -28,6 +28,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.batching import fold_vmap_into_rows
+from forgeax.kernels.common.partitioning import split_launch
 from forgeax.kernels.triton.launch import triton_call
 
 _F32 = jnp.float32
@@ -200,12 +201,25 @@ def _backward(gs, lengths, segment_ids, *, t: int, x_dtype, s: int, config: Mean
         BLOCK_T=config.block_t, BLOCK_D=config.block_d, WIDE=b * t * d >= 2**31)
 
 
-@functools.cache
-def _differentiable(s: int, t: int, x_dtype: jnp.dtype, config: MeanPoolConfig):
-    """mean_pool(x, lengths, segment_ids) with a custom_vjp; vmap folds into the batch axis."""
-    forward = fold_vmap_into_rows(functools.partial(_forward, s=s, config=config), row_args=(0, 1, 2, 3))
-    backward = fold_vmap_into_rows(functools.partial(_backward, t=t, x_dtype=x_dtype, s=s, config=config),
-                                   row_args=(0, 1, 2))
+# Axis labels of the launches' arrays: the batch B and the channels D may be split (each device's
+# kernel pools its own batch rows and channels); T and the segments S stay whole.
+_X, _LENGTHS, _IDS, _PER_B = ("b", None, "d"), ("b",), ("b", None), ("b", None)
+
+
+def _split(fn, *arg_dims):
+    """fn (one [B, S|T, D] output) as a launch the SPMD partitioner splits over B and D
+    (kernels/common/partitioning.py `split_launch`) instead of gathering x."""
+    launch = split_launch(lambda *args: (fn(*args),), arg_dims, ((_X, ()),))
+    return lambda *args: launch(*args)[0]
+
+
+def differentiable_mean_pool(forward, backward, s: int):
+    """mean_pool(x, lengths, segment_ids) with a custom_vjp from two kernels,
+    forward(x, lengths, segment_ids, inv [B, S]) -> [B, S, D] and
+    backward(g / count [B, S, D], lengths, segment_ids) -> dx [B, T, D]; vmap folds into the batch
+    axis, and the SPMD partitioner splits B and D (`_split`)."""
+    forward = fold_vmap_into_rows(_split(forward, _X, _LENGTHS, _IDS, _PER_B), row_args=(0, 1, 2, 3))
+    backward = fold_vmap_into_rows(_split(backward, _X, _LENGTHS, _IDS), row_args=(0, 1, 2))
 
     @jax.custom_vjp
     def run(x, lengths, segment_ids):
@@ -224,6 +238,12 @@ def _differentiable(s: int, t: int, x_dtype: jnp.dtype, config: MeanPoolConfig):
 
     run.defvjp(run_fwd, run_bwd)
     return run
+
+
+@functools.cache
+def _differentiable(s: int, t: int, x_dtype: jnp.dtype, config: MeanPoolConfig):
+    return differentiable_mean_pool(functools.partial(_forward, s=s, config=config),
+                                    functools.partial(_backward, t=t, x_dtype=x_dtype, s=s, config=config), s)
 
 
 def mean_pool(x, lengths, segment_ids, *, num_segments, config: MeanPoolConfig):

@@ -233,7 +233,7 @@ def backward(x, w_gate, w_up, dh, *, activation, config, want_h):
     return outs[0][:m], (outs[1][:m] if want_h else None)
 
 
-_DIFFERENTIABLE = differentiable_gated_mlp(forward, backward)
+_DIFFERENTIABLE = differentiable_gated_mlp(forward, backward, n_multiple=_BN)  # N split in whole column tiles
 
 
 def gated_mlp(x, w_gate, w_up, w_down=None, *, spec, config: GatedMLPPallasGpuConfig):

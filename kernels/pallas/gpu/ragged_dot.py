@@ -307,7 +307,7 @@ def transposed(lhs, dout, group_sizes, *, out_dtype, config: RaggedDotPallasGpuC
                             out_dtype=jnp.dtype(out_dtype), cfg=cfg)
 
 
-_RAGGED_DOT, _RAGGED_DOT_T = differentiable_ragged_dot(forward, transposed)
+_RAGGED_DOT, _RAGGED_DOT_T = differentiable_ragged_dot(forward, transposed, multiple=_ALIGN)  # K, N split in whole tiles
 
 
 def ragged_dot(lhs, rhs, group_sizes, *, spec: RaggedDotSpec, config: RaggedDotPallasGpuConfig):
