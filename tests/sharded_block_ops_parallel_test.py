@@ -4,7 +4,8 @@ Each kernel backend wraps its launches so that XLA's SPMD partitioner runs every
 on its own shard (kernels/common/partitioning.py): gated_mlp over the rows of x and the hidden
 axis N of the weights (tensor parallelism), newton_schulz over the leading batch axes,
 mean_pool over the batch and feature axes, ragged_dot over the rows M (each shard's group
-sizes cut from the global offsets), the output axis and the contraction axis. Checked: sharded
+sizes cut from the global offsets), the output axis and the contraction axis (and so moe_mlp
+with its expert weights split along F). Checked: sharded
 equals unsharded (forward and gradients), and the compiled program's collectives are the
 expected partial-sum all-reduces only, never an all-gather of an activation.
 
@@ -34,6 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import conformance  # noqa: E402
 from forgeax import ops  # noqa: E402
+from forgeax.core import Implementation, register_backend  # noqa: E402
 from forgeax.kernels.common import newton_schulz as ns_common  # noqa: E402
 from forgeax.kernels.common.gated_mlp import GatedMLPSpec, activate_and_derivative, differentiable_gated_mlp, split_weights  # noqa: E402
 from forgeax.kernels.common.ragged_dot import differentiable_ragged_dot, group_bounds  # noqa: E402
@@ -479,3 +481,29 @@ def test_ragged_dot_transposed_splits_rows():
     assert_only_reductions(found, max_elements=3 * k * n)
     forward = _collectives(rdt, *sharded)
     assert forward in ([("all-reduce", 3 * k * n)], [("reduce-scatter", 3 * k * n)])  # the [G, K, N] partial sums
+
+
+# moe_mlp's grouped products through a registered backend: the stand-in kernels on CPU.
+register_backend("ragged_dot", "sharded_stand_in",
+                 Implementation(fn=lambda lhs, rhs, gs, *, spec: STAND_IN_RD(lhs, rhs, gs, jnp.dtype(spec.out_dtype), None)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_moe_mlp_expert_weights_split_along_f(impl):
+    # Tensor-parallel experts: w_gate / w_up split along F, w_down along its F input axis; tokens
+    # replicated (the routing sort would gather sharded tokens). The gate/up products keep h
+    # split, the down product's partial sums are all-reduced once ([A, D], A = tokens x top_k).
+    e, d, f, n, top_k = (4, 128, 256, 64, 2) if ON_GPU else (4, 8, 12, 16, 2)
+    dt = _dtype(impl)
+    x, logits = _random(11, (n, d), dt), _random(12, (n, e))
+    wg, wu = _random(13, (e, d, f), dt, d ** -0.5), _random(14, (e, d, f), dt, d ** -0.5)
+    wd = _random(15, (e, f, d), dt, f ** -0.5)
+    backend = "sharded_stand_in" if impl == "stand_in" else impl
+    moe = lambda x, lg, wg, wu, wd: ops.moe_mlp(x, lg, wg, wu, wd, top_k=top_k, backend=backend)  # noqa: E731
+    fn = lambda *a: jnp.sum(jnp.sin(moe(*a).astype(F32)))  # noqa: E731
+    arrays = (x, logits, wg, wu, wd)
+    _supported_or_skip(fn, *arrays)
+    sharded = (x, logits, _put(wg, None, None, "model"), _put(wu, None, None, "model"), _put(wd, None, "model", None))
+    _, found = _check(fn, arrays, sharded, (0, 2, 3, 4), _tol(dt))
+    assert_only_reductions(found, max_elements=n * top_k * d)
+    assert [kind for kind, _ in _collectives(moe, *sharded)] in (["all-reduce"], ["reduce-scatter"])
