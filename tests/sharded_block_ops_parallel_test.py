@@ -515,3 +515,15 @@ def test_moe_mlp_expert_weights_split_along_f(impl):
     _, found = _check(fn, arrays, sharded, (0, 2, 3, 4), _tol(dt))
     assert_only_reductions(found, max_elements=n * top_k * d)
     assert [kind for kind, _ in _collectives(moe, *sharded)] in (["all-reduce"], ["reduce-scatter"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="the stand-in shells")
+def test_unsharded_calls_have_no_partitioning_op():
+    # On one device the wrappers lower to the kernels themselves (the same program as before).
+    arrays = _gm_arrays("stand_in", 24, 40, 16, fused=False)
+    text = jax.jit(jax.grad(_gm_loss(_gated_mlp("stand_in")), argnums=(0, 1, 2, 3))).lower(*arrays).as_text()
+    assert "CustomSPMDPartitioning" not in text
+    lhs, rhs, sizes = _rd_arrays("stand_in", 16, 8, 12)
+    rd = _ragged("stand_in")
+    text = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(rd(a, b, sizes))), argnums=(0, 1))).lower(lhs, rhs).as_text()
+    assert "CustomSPMDPartitioning" not in text
