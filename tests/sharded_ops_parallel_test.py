@@ -399,3 +399,19 @@ def test_gpu_rope_kernels_split_the_heads(sharding):
     value_and_grad = jax.value_and_grad(fn, argnums=(0, 1))
     _assert_same(jax.jit(value_and_grad)(*sharded), jax.jit(value_and_grad)(q, k, pos))
     assert_no_activation_collectives(value_and_grad, *sharded, weight_elements=1)
+
+
+def test_vmap_of_partitioned_launches():
+    """custom_partitioning has no batching rule: a vmapped call of a partitioned launch (here
+    linear_cross_entropy's xla_chunked chunk loop, which is partitioned whenever it is not
+    interpreted) runs the launch unpartitioned, and equals the reference."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, 5, 32), np.float32))
+    w = jnp.asarray(0.3 * rng.standard_normal((32, 100), np.float32))
+    t = jnp.asarray(rng.integers(0, 100, (3, 5)), jnp.int32)
+
+    def batched(backend):
+        loss = lambda x, w, t: ops.linear_cross_entropy(x, w, t, backend=backend, chunk_size=2)  # noqa: E731
+        return jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(0, None, 0)))(x, w, t)
+
+    _assert_same(batched("xla_chunked"), batched("xla"))

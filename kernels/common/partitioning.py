@@ -127,6 +127,20 @@ def rowwise(fn: Callable[..., Any], arg_kinds: Sequence[str], out_kinds: Sequenc
     return call
 
 
+def batchable(partitioned: Callable[..., Any], whole: Callable[..., Any]) -> Callable[..., Any]:
+    """`partitioned` (a custom_partitioning launch) usable under `jax.vmap`, which has no batching
+    rule for custom_partitioning: a vmapped call runs `whole`, the same launch unpartitioned,
+    whose kernels fold the batch themselves (a vmapped call on sharded arrays is gathered)."""
+    launch = jax.custom_batching.custom_vmap(lambda *args: partitioned(*args))
+
+    @launch.def_vmap
+    def _(axis_size, in_batched, *args):
+        outs = jax.vmap(whole, in_axes=tuple(0 if b else None for b in in_batched), axis_size=axis_size)(*args)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return launch
+
+
 def _leaf_kinds(values: tuple, kinds: tuple) -> list[str]:
     out = []
     for value, kind in zip(values, kinds):
@@ -205,7 +219,7 @@ def _partitioned(global_fn, local_fn, kinds, okinds, in_ranks, out_ranks, row_nd
     rule, private = _rule(kinds, okinds, in_ranks, out_ranks, row_ndim)
     cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=private)
-    return cp
+    return batchable(cp, global_fn)
 
 
 # ----------------------------------------------------------------------------- vocabulary split
@@ -299,7 +313,7 @@ def vocab_rowwise(fn: Callable[..., Any], arg_kinds: Sequence[str], out_kinds: S
         rule, private, reduced = _vocab_rule(kinds, out_kinds, in_ranks, out_ranks, row_ndim)
         cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                          need_replication_factors=private, reduction_factors=reduced)
-        return cp(*args, *consts)
+        return batchable(cp, global_fn)(*args, *consts)
 
     return call
 
@@ -429,7 +443,7 @@ def split_launch(fn: Callable[..., Any], arg_dims: Sequence[Any], out_dims: Sequ
         cp = custom_partitioning(global_fn)
         cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                          need_replication_factors=tuple(private))
-        outs = iter(cp(*given, *consts))
+        outs = iter(batchable(cp, global_fn)(*given, *consts))
         flat_out = [next(outs) if j in live else None for j in range(len(out_dims))]
         return tuple(flat_out)
 
