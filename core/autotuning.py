@@ -72,8 +72,11 @@ def random_inputs(call: Call, given: Sequence[Any] = (), seed: int = 0) -> tuple
 
 
 def _build(op: dispatch.Op, call: Call, backend: str, config: Any) -> Callable[..., Any]:
-    """The timed function of the call's arrays: the op, or its value and gradient (of the sum of
-    its floating outputs, for the floating arguments) when the call was differentiated."""
+    """The timed function of the call's arrays: the op, or, when the call was differentiated, its
+    value and the gradient for the floating arguments of `sum(output * cotangent)` over the
+    floating outputs, with the cotangents passed after the arrays (`cotangents`). A constant
+    cotangent (the gradient of a plain sum) would let XLA fold it away and time the XLA backend
+    without the read of the output gradient every backward pays in a model."""
     positions = [i for i, a in enumerate(call.args) if isinstance(a, jax.ShapeDtypeStruct)]
 
     def run(*arrays):
@@ -86,17 +89,29 @@ def _build(op: dispatch.Op, call: Call, backend: str, config: Any) -> Callable[.
         return run
     wrt = [j for j, i in enumerate(positions) if jnp.issubdtype(call.args[i].dtype, jnp.inexact)]
 
-    def fwd_bwd(*arrays):
+    def fwd_bwd(*arrays_and_cotangents):
+        arrays, cts = arrays_and_cotangents[:len(positions)], arrays_and_cotangents[len(positions):]
+
         def loss(*floats):
             full = list(arrays)
             for j, f in zip(wrt, floats):
                 full[j] = f
-            leaves = jax.tree.leaves(run(*full))
-            return sum(jnp.sum(x.astype(jnp.float32)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact))
+            outs = [x for x in jax.tree.leaves(run(*full)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+            return sum(jnp.sum(x.astype(jnp.float32) * c.astype(jnp.float32)) for x, c in zip(outs, cts))
 
         return jax.value_and_grad(loss, argnums=tuple(range(len(wrt))))(*[arrays[j] for j in wrt])
 
     return fwd_bwd
+
+
+def cotangents(op: dispatch.Op, call: Call, args: Sequence[jax.Array], seed: int = 1000) -> tuple[jax.Array, ...]:
+    """Random output gradients for a differentiated call's timed function (`_build`), one per
+    floating output; () for a call that is not differentiated."""
+    if not call.differentiated:
+        return ()
+    outs = jax.eval_shape(_build(op, dataclasses.replace(call, differentiated=False), "xla", None), *args)
+    floats = [o for o in jax.tree.leaves(outs) if jnp.issubdtype(o.dtype, jnp.inexact)]
+    return tuple(jax.random.normal(jax.random.key(seed + i), o.shape, jnp.float32).astype(o.dtype) for i, o in enumerate(floats))
 
 
 def candidates(op: dispatch.Op, call: Call, backends: Sequence[str] | None = None, max_configs: int | None = None
@@ -172,6 +187,7 @@ def tune_calls(calls: Sequence[Call], *, backends: Sequence[str] | None = None, 
             for op, call, found in plans:
                 try:
                     args = inputs(call) if inputs is not None else random_inputs(call, given)
+                    args = tuple(args) + cotangents(op, call, args)
                     results = _time_call(op, call, found, args, pool, rounds, calls_per_round, timeout_s, advance, report)
                 except Exception as e:  # noqa: BLE001 - one call's failure leaves the others' results
                     report.append({"op": call.op, "key": call.key, "error": f"{type(e).__name__}: {str(e)[:300]}"})

@@ -222,6 +222,24 @@ def test_autotune_inputs_take_integer_values_from_the_functions_arguments():
     assert got.tolist() == [3, 0, 5] and zeros.tolist() == [0] * 5
 
 
+def test_autotune_times_a_gradient_with_a_random_output_gradient():
+    # With the gradient of a plain sum (a constant cotangent) XLA folds the output gradient away
+    # and times the XLA backend without the read every backward pays in a model.
+    x, scale = jnp.ones((4, 8)), jnp.ones(8)
+    call = tuning.Call.of("rms_norm", (x, scale), {"eps": 1e-6})
+    call = dataclasses.replace(call, differentiated=True)
+    op = core.OPS["rms_norm"]
+    args = autotuning.random_inputs(call)
+    (ct,) = autotuning.cotangents(op, call, args)
+    assert ct.shape == x.shape and float(jnp.std(ct)) > 0.1
+    timed = autotuning._build(op, call, "xla", None)
+    _, (dx, dscale) = timed(*args, ct)
+    _, (dx_ones, _) = timed(*args, jnp.ones_like(ct))
+    want_dx = jax.vjp(lambda a: ops.rms_norm(a, args[1], backend="xla"), args[0])[1](ct)[0]
+    assert float(jnp.max(jnp.abs(dx - want_dx))) < 1e-5 and float(jnp.max(jnp.abs(dx - dx_ones))) > 1e-3
+    assert autotuning.cotangents(op, dataclasses.replace(call, differentiated=False), args) == ()
+
+
 def test_forgeax_autotune_tunes_each_new_call_once(probe, monkeypatch):
     monkeypatch.setenv("FORGEAX_AUTOTUNE", "1")
     x = jnp.ones((2, 10))
