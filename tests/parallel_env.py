@@ -32,3 +32,11 @@ def skip_unless_devices(cpu: int = 8, gpu: int | None = None) -> bool:
         pytest.skip(f"needs {cpu} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts){also}",
                     allow_module_level=True)
     return on_gpu
+
+
+def same_sharding(got, want) -> bool:
+    """Whether array `got` is laid out like `want` (an array or a sharding). Compares placements,
+    not PartitionSpecs: XLA drops a mesh axis of size 1 from an output's spec (a 2-GPU mesh
+    (1, 2) returns P(None, 'model') for an input placed as P('data', 'model'))."""
+    sharding = getattr(want, "sharding", want)
+    return got.sharding.is_equivalent_to(sharding, got.ndim)

@@ -89,8 +89,7 @@ def _check(fn, arrays, dims, sharding):
     _assert_same(got, jax.jit(fn)(*arrays))
     found = _collectives(fn, *sharded)
     assert not found, f"collectives in the compiled program (the cache or q gathered?): {found}"
-    pad = lambda spec: (tuple(spec) + (None,) * 3)[:3]  # noqa: E731
-    assert pad(jax.tree.leaves(got)[0].sharding.spec) == pad(sharded[0].sharding.spec)
+    assert parallel_env.same_sharding(jax.tree.leaves(got)[0], sharded[0])
 
 
 # ----------------------------------------------------------------------------- inputs
