@@ -299,3 +299,15 @@ def test_kernel_configs_are_validated_serialised_and_reach_the_kernel(tmp_path, 
     assert tuned.resolve_config((x,), {}, None, "NVIDIA H100 80GB HBM3") == (_Blocks(block=32), "heuristic")
     assert "explicit" in tuned.resolve_config((x,), {}, _Blocks(block=48), "NVIDIA H200")[1]
     assert "config: _Blocks(block=64, stages=2) [explicit]" in str(forgeax.explain(lambda x: op(x, config=_Blocks(block=64)), x))
+
+
+def test_timing_rounds_never_time_a_candidate_twice_in_a_row():
+    from forgeax.core.timing import alternating  # noqa: PLC0415
+
+    for n in range(1, 7):
+        names = [f"c{i}" for i in range(n)]
+        order = list(alternating(names, 2 * n + 1))
+        rounds = [order[r * n:(r + 1) * n] for r in range(2 * n + 1)]
+        assert all(sorted(r) == names for r in rounds)  # every candidate once per round
+        if n > 1:
+            assert all(a != b for a, b in zip(order, order[1:]))  # no back-to-back double run

@@ -281,7 +281,7 @@ def _report(results: list[Timing], ceiling: float | None, device: Any, platform:
         "host": host_platform.node(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None, **_optional_versions()},
-        "method": {"calls_per_round": args.calls, "rounds": args.reps, "compile_workers": args.compile_workers, "statistic": "median per-call time over rounds; rounds interleaved across backends and anchors, order reversed every other round"},
+        "method": {"calls_per_round": args.calls, "rounds": args.reps, "compile_workers": args.compile_workers, "statistic": "median per-call time over rounds; rounds interleaved across backends and anchors, round r rotated by r and reversed on odd rounds (core/timing.alternating)"},
         "copy_ceiling_tb_per_s": ceiling / 1e12 if ceiling else None,
         "floor_note": floor_note,
         "results": [dataclasses.asdict(t) for t in results],
