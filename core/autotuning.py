@@ -201,6 +201,20 @@ def tune_calls(calls: Sequence[Call], *, backends: Sequence[str] | None = None, 
     return Tuning(entries, report=report)
 
 
+# Backends whose compiles must not overlap others (see _time_call).
+SERIAL_COMPILE = frozenset({"cudnn"})
+
+
+def _done(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """`fn(*args)` run now, as a finished future (its exception kept for `result()`)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - delivered by result()
+        future.set_exception(e)
+    return future
+
+
 def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeout_s, advance,
                report) -> dict[tuple[str, Any], float]:
     """{(backend, config): median seconds} of each backend's fastest config for one call."""
@@ -213,19 +227,30 @@ def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeo
     def compile_one(candidate):
         return jax.jit(_build(op, call, *candidate)).lower(*args).compile()
 
-    compiling = {cand: pool.submit(contextvars.copy_context().run, compile_one, cand) for cand in found}
-    ready = {}
+    # Every compile finishes before any candidate runs: on an H200 a cuDNN call's first run
+    # (its graph captured on a stream) failed while other threads compiled ("capturing stream
+    # has unjoined work"), and so did every call after it. Calls with cuDNN candidates compile
+    # one at a time (SERIAL_COMPILE).
+    serial = any(backend in SERIAL_COMPILE for backend, _ in found)
+    compiling = {cand: (_done(compile_one, cand) if serial else pool.submit(contextvars.copy_context().run, compile_one, cand))
+                 for cand in found}
+    compiled = {}
     for (backend, config), future in compiling.items():
         advance(f"{call.op} {backend}")
         try:
-            compiled = future.result(timeout=timeout_s)
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            if time.perf_counter() - start > timeout_s:
-                raise TimeoutError(f"one call took more than {timeout_s} s")
-            ready[(backend, config)] = compiled
+            compiled[(backend, config)] = future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             fail(backend, config, f"TimeoutError: not compiled within {timeout_s} s")
+        except Exception as e:  # noqa: BLE001 - a failing candidate is recorded and skipped
+            fail(backend, config, f"{type(e).__name__}: {str(e)[:300]}")
+    ready = {}
+    for (backend, config), fn in compiled.items():
+        try:
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            if time.perf_counter() - start > timeout_s:
+                raise TimeoutError(f"one call took more than {timeout_s} s")
+            ready[(backend, config)] = fn
         except Exception as e:  # noqa: BLE001 - a failing candidate is recorded and skipped
             fail(backend, config, f"{type(e).__name__}: {str(e)[:300]}")
     times = timing.interleaved({cand: (fn, args) for cand, fn in ready.items()}, calls=calls_per_round, rounds=rounds, warmup=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 
 import jax
@@ -23,7 +24,11 @@ class ScaleConfig(forgeax.KernelConfig):
     scale: int = 3
 
 
+COMPILE_THREADS: set[str] = set()  # the threads that traced a `kern` call
+
+
 def _scaled(x, *, config):
+    COMPILE_THREADS.add(threading.current_thread().name)
     if config.scale == 13:
         raise RuntimeError("13 does not compile")
     if config.scale == 14:
@@ -212,6 +217,17 @@ def test_autotune_times_a_call_made_plain_and_differentiated_in_both_modes(probe
     tuned = forgeax.autotune(both, x, rounds=1, calls=1, progress=False, timeout_s=3, max_configs=2)
     entries = tuned.lookup(core.current_device_kind(), "tuning_probe", tuning.signature((x,), {}))
     assert sorted((e.timed, e.backend) for e in entries) == [("fwd", "kern"), ("fwd", "xla"), ("fwd+bwd", "kern"), ("fwd+bwd", "xla")]
+
+
+def test_autotune_compiles_calls_with_a_serial_backend_one_at_a_time(probe, monkeypatch):
+    # cuDNN's first runs failed on an H200 while other threads compiled: calls with such a
+    # backend among their candidates compile in the calling thread.
+    x = jnp.ones((2, 8))
+    for serial, want_only_this_thread in ((frozenset(), False), (frozenset({"kern"}), True)):
+        monkeypatch.setattr(autotuning, "SERIAL_COMPILE", serial)
+        COMPILE_THREADS.clear()
+        forgeax.autotune(jax.jit(probe), x, rounds=1, calls=1, progress=False, timeout_s=5, max_configs=2, workers=4)
+        assert (COMPILE_THREADS == {threading.current_thread().name}) == want_only_this_thread
 
 
 def test_autotune_inputs_take_integer_values_from_the_functions_arguments():
