@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 # tools/ beside tests/ (in the checkout, and in the Bazel runfiles, which carry bench.py,
-# bench_specs.py and plot.py as data).
+# bench_specs/ and plot.py as data).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 import plot  # noqa: E402

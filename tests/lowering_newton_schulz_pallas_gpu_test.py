@@ -25,7 +25,7 @@ from forgeax.kernels.common.newton_schulz import NewtonSchulzSpec
 MOSAIC_GPU_CALL = "custom_call @mosaic_gpu_v2("
 # One step: the three kernels (Gram, Gram with the b A epilogue, update); more steps repeat them.
 SPEC = NewtonSchulzSpec(steps=1)
-# The benchmark shapes (tools/bench_specs.py), a tall one (transposed first), a batch of 64-wide tiles.
+# The benchmark shapes (tools/bench_specs/), a tall one (transposed first), a batch of 64-wide tiles.
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2, 192, 320)]
 
 

@@ -4,7 +4,7 @@
     python tools/autotune.py --op rms_norm --write-tuning --device "NVIDIA H100"
     bazel run //tools:autotune -- --op rms_norm                         # CPU: the small shapes
 
-For each op, named shape (tools/bench_specs.py) and mode, `forgeax.autotune` runs on the
+For each op, named shape (tools/bench_specs/) and mode, `forgeax.autotune` runs on the
 function the benchmark times with `backend=None` (its wall time is reported: the issue asks for
 under a minute per op and shape); then that function compiled as users get it today (selection
 rules, tuned data files, heuristic configs) and compiled inside `with tuning:` are timed in the
@@ -127,7 +127,7 @@ def tuning_from_bench(paths: list[str], device: str | None = None) -> forgeax.Tu
             spec = bench_specs.SPECS.get(op)
             shape = next((s for s in spec.shapes if s.name == shape_name), None) if spec else None
             if shape is None:
-                print(f"  skip {op} {shape_name}: not a named shape of tools/bench_specs.py", flush=True)
+                print(f"  skip {op} {shape_name}: not a named shape of tools/bench_specs/", flush=True)
                 continue
             inputs = jax.eval_shape(lambda key: spec.make_inputs(shape, key), jax.random.key(0))
             calls = [c for c in find_calls(spec.build(None, mode, {**spec.options, **dict(shape.options)}), *inputs) if c.op == op]

@@ -1,0 +1,18 @@
+"""Benchmark specs: named shapes from real models, how to call each op, and its floor.
+
+A spec says, for an op and a mode ("fwd" or "fwd+bwd"), how to build inputs,
+how to run one backend, and how many bytes / FLOPs the call must move at
+minimum. `tools/bench.py` times every backend and anchor side by side.
+"""
+
+from __future__ import annotations
+
+from . import attention, losses, matmul, norms, recurrent, serving
+from .base import Shape, Spec
+
+# op name -> Spec; every family module contributes its ops (examples add their own at import).
+SPECS: dict[str, Spec] = {}
+for _family in (norms, losses, matmul, attention, serving, recurrent):
+    SPECS.update(_family.SPECS)
+
+__all__ = ["SPECS", "Shape", "Spec"]
