@@ -7,7 +7,9 @@ takes effect when the test file is the first in its process to import jax (its o
 
 from __future__ import annotations
 
+import math
 import os
+import re
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -40,3 +42,13 @@ def same_sharding(got, want) -> bool:
     (1, 2) returns P(None, 'model') for an input placed as P('data', 'model'))."""
     sharding = getattr(want, "sharding", want)
     return got.sharding.is_equivalent_to(sharding, got.ndim)
+
+
+# A collective in compiled HLO text: (its result shape, its kind); async forms count as theirs.
+COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+def elements(shape_text: str) -> int:
+    """Largest array (in elements) among an HLO shape or tuple of shapes."""
+    dims = re.findall(r"\[([\d,]*)\]", shape_text)
+    return max((math.prod(int(d) for d in ds.split(",") if d) for ds in dims), default=1)

@@ -62,11 +62,6 @@ def _inputs(B, T, N, K, H, dtype, seed):
     return q, k, v, cot
 
 
-def _elements(shape_text):
-    return max((int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in re.findall(r"\[([\d,]*)\]", shape_text)),
-               default=1)
-
-
 def _check(fn, arrays, spec, *, tol, ringed=True, seg_spec=None):
     """fn(q, k, v, cot, *rest) -> (loss, aux): sharded under jit equals unsharded, value and grads."""
     mesh = _mesh()
@@ -87,7 +82,7 @@ def _check(fn, arrays, spec, *, tol, ringed=True, seg_spec=None):
     assert got[0][1][0].sharding.is_equivalent_to(sharded[0].sharding, 4)  # so does out
     assert "collective-permute" in hlo
     smallest = min(a.size for a in arrays[:3])  # a whole k / v / q activation
-    gathered = [s for s in _ALL_GATHER.findall(hlo) if _elements(s) >= smallest]
+    gathered = [s for s in _ALL_GATHER.findall(hlo) if parallel_env.elements(s) >= smallest]
     assert not gathered, f"all-gathers of whole activations in the compiled program: {gathered}"
 
 

@@ -23,7 +23,6 @@ parallel_env.interpret_triton_on_cpu()
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -44,7 +43,7 @@ ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
 IMPLS = ["triton", "pallas_gpu"] if ON_GPU else ["stand_in"]
 F32 = jnp.float32
 
-_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+_COLLECTIVE = parallel_env.COLLECTIVE
 
 
 def _mesh():
@@ -56,15 +55,12 @@ def _put(x, *spec):
     return jax.device_put(x, NamedSharding(_mesh(), P(*spec)))
 
 
-def _elements(shape_text: str) -> int:
-    dims = re.findall(r"\[([\d,]*)\]", shape_text)
-    return max((int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in dims), default=1)
 
 
 def _run(fn, *args):
     """(fn(*args), [(kind, elements)] of the collectives in its compiled program)."""
     compiled = jax.jit(fn).lower(*args).compile()
-    return compiled(*args), [(kind, _elements(shape)) for shape, kind in _COLLECTIVE.findall(compiled.as_text())]
+    return compiled(*args), [(kind, parallel_env.elements(shape)) for shape, kind in _COLLECTIVE.findall(compiled.as_text())]
 
 
 def _collectives(fn, *args):

@@ -22,7 +22,6 @@ import parallel_env  # noqa: F401  (first: 8 CPU devices before jax starts)
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +43,7 @@ from forgeax.kernels.xla import sparse_attention as xla_sparse
 ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
 BACKENDS = ["triton"] if ON_GPU else ["stand_in"]
 
-_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+_COLLECTIVE = parallel_env.COLLECTIVE
 
 
 def _mesh():
@@ -53,15 +52,12 @@ def _mesh():
     return jax.make_mesh(shape, ("data", "heads"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def _elements(shape_text: str) -> int:
-    dims = re.findall(r"\[([\d,]*)\]", shape_text)
-    return max((int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in dims), default=1)
 
 
 def assert_no_activation_collectives(hlo: str, *, small: int):
     """The compiled program moves no activations: only all-reduces of <= `small` elements."""
     found = [(kind, shape) for shape, kind in _COLLECTIVE.findall(hlo)]
-    bad = [(k, s) for k, s in found if k != "all-reduce" or _elements(s) > small]
+    bad = [(k, s) for k, s in found if k != "all-reduce" or parallel_env.elements(s) > small]
     assert not bad, f"activation-sized collectives in the compiled program: {bad}"
 
 

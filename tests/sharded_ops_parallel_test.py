@@ -29,7 +29,6 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ if len(jax.devices()) < (2 if ON_GPU else 8):
     pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) or 2 GPUs",
                 allow_module_level=True)
 
-_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+_COLLECTIVE = parallel_env.COLLECTIVE
 
 
 def _mesh():
@@ -63,17 +62,13 @@ def _mesh():
 SHARDINGS = {"batch": P("data"), "tokens": P(None, "seq"), "batch_tokens": P("data", "seq")}
 
 
-def _elements(shape_text: str) -> int:
-    """Largest array (in elements) among an HLO shape or tuple of shapes."""
-    dims = re.findall(r"\[([\d,]*)\]", shape_text)
-    return max((int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in dims), default=1)
 
 
 def assert_no_activation_collectives(fn, *args, weight_elements: int):
     """The compiled program of fn(*args) moves no activations: only all-reduces of <= weight-sized values."""
     hlo = jax.jit(fn).lower(*args).compile().as_text()
     found = [(kind, shape) for shape, kind in _COLLECTIVE.findall(hlo)]
-    bad = [(k, s) for k, s in found if k != "all-reduce" or _elements(s) > weight_elements]
+    bad = [(k, s) for k, s in found if k != "all-reduce" or parallel_env.elements(s) > weight_elements]
     assert not bad, f"activation-sized collectives in the compiled program: {bad}"
     return found
 

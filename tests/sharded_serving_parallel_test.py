@@ -25,7 +25,6 @@ from __future__ import annotations
 import parallel_env  # noqa: F401  (first: 8 CPU devices before jax starts)
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,7 @@ from forgeax.kernels.xla import ragged_paged_attention as xla_ragged
 
 ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
 
-_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+_COLLECTIVE = parallel_env.COLLECTIVE
 
 
 def _mesh():

@@ -45,7 +45,7 @@ ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
 IGNORE = -100
 VOCAB = 1000 if not ON_GPU else 4096
 OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=5.0)
-_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+_COLLECTIVE = parallel_env.COLLECTIVE
 
 
 def _kernels():
