@@ -79,3 +79,13 @@ def test_latest_picks_each_ops_newest_report(tmp_path):
 def test_compute_bound_ops_plot_tflops():
     rows = [dict(_result("attention", "s", "fwd", b, 1.0, 0.1), flops=1e12, tflop_per_s=t) for b, t in (("xla", 100.0), ("triton", 400.0))]
     assert plot.choose_metric(rows, "auto") == "tflops"
+
+
+def test_accelerator_runs_time_the_model_shapes_and_cpu_runs_the_small_ones():
+    import bench_specs  # noqa: PLC0415
+
+    spec = bench_specs.SPECS["rms_norm"]
+    gpu, cpu = bench_specs.default_shapes(spec, "gpu"), bench_specs.default_shapes(spec, "cpu")
+    assert gpu and cpu and not any(s.small for s in gpu) and all(s.small for s in cpu)
+    assert len(gpu) + len(cpu) == len(spec.shapes)
+    assert [s.name for s in bench_specs.default_shapes(spec, "gpu", ["small f32"])] == ["small f32"]

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], forgeax.Tuning]:
     rows, merged = [], forgeax.Tuning()
     for op_name in args.op:
         spec = bench_specs.SPECS[op_name]
-        shapes = [s for s in spec.shapes if (args.shape and s.name in args.shape) or (not args.shape and (platform != "cpu" or s.small))]
+        shapes = bench_specs.default_shapes(spec, platform, args.shape)
         for shape in shapes:
             inputs = spec.make_inputs(shape, jax.random.key(0))
             options = {**spec.options, **dict(shape.options)}
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="append", choices=sorted(bench_specs.SPECS))
     parser.add_argument("--from-bench", nargs="+", help="tools/bench.py result files to take the backend order from")
-    parser.add_argument("--shape", action="append", help="named shapes (default: all on an accelerator, the small ones on CPU)")
+    parser.add_argument("--shape", action="append", help="named shapes (default: the model shapes on an accelerator, the small ones on CPU)")
     parser.add_argument("--mode", action="append", choices=("fwd", "fwd+bwd"))
     parser.add_argument("--tune-rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20, help="rounds timing default against tuned")

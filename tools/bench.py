@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
         registered = interface.OPS[op_name].backends
         wanted = args.backend or ["default", *registered]
         backends = [b for b in wanted if parse_backend(b)[0] in registered + ("default",) and b not in (args.skip_backend or ())]
-        shapes = [s for s in spec.shapes if (args.shape and s.name in args.shape) or (not args.shape and (platform != "cpu" or s.small))]
+        shapes = bench_specs.default_shapes(spec, platform, args.shape)
         for shape in shapes:
             inputs = spec.make_inputs(shape, jax.random.key(0))
             options = {**spec.options, **dict(shape.options)}
@@ -380,7 +380,7 @@ def result_name(report: dict[str, Any], ops: Sequence[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="append", choices=sorted(bench_specs.SPECS), help="op to time (repeatable; default all)")
-    parser.add_argument("--shape", action="append", help="named shape (repeatable; default: all on GPU, the small ones on CPU)")
+    parser.add_argument("--shape", action="append", help="named shape (repeatable; default: the model shapes on an accelerator, the small ones on CPU)")
     parser.add_argument("--anchor", action="append", help="anchor to time (repeatable; default: all of the spec's)")
     parser.add_argument("--backend", action="append", help="backend (repeatable; default: every backend that runs here); 'default' = the op's "
                         "own selection; 'name:option=value' adds a call option, e.g. pallas_gpu:deterministic=True")
