@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from forgeax import ops
 from forgeax.core import UnsupportedError
 
-from .base import Shape, Spec, with_config
+from .base import Shape, Spec, training_step, with_config
 
 
 def _attention_spec() -> Spec:
@@ -67,16 +67,6 @@ def _attention_spec() -> Spec:
         kq, kk, kv, kd = jax.random.split(key, 4)
         normal = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(shape.dtype)
         return normal(kq, (B, T, N, H)), normal(kk, (B, T, K, H)), normal(kv, (B, T, K, Hv)), normal(kd, (B, T, N, Hv))
-
-    def training_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
-        if mode == "fwd":
-            return jax.jit(lambda q, k, v, do: fn(q, k, v))
-
-        def fwd_bwd(q, k, v, do):
-            out, pullback = jax.vjp(fn, q, k, v)
-            return (out,) + pullback(do)
-
-        return jax.jit(fwd_bwd)
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         options = dict(options)
@@ -172,14 +162,7 @@ def _sparse_attention_spec() -> Spec:
         return normal(kq, (B, T, N, H)), normal(kk, (B, T, K, H)), normal(kv, (B, T, K, H)), idx, normal(kd, (B, T, N, H))
 
     def step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
-        if mode == "fwd":
-            return jax.jit(lambda q, k, v, idx, do: fn(q, k, v, idx))
-
-        def fwd_bwd(q, k, v, idx, do):
-            out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, idx), q, k, v)
-            return (out,) + pullback(do)
-
-        return jax.jit(fwd_bwd)
+        return training_step(fn, mode, wrt=3)  # q, k, v (block_indices held)
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         options = dict(options)

@@ -54,6 +54,23 @@ def passes_floor(*, fwd: int, fwd_bwd: int) -> Callable[[Shape, str], tuple[floa
     return floor
 
 
+def training_step(fn: Callable[..., Any], mode: str, wrt: int | None = None) -> Callable[..., Any]:
+    """The jitted function of a spec's inputs `(*args, cotangent)`: `fn(*args)` ("fwd"), or its
+    output and the gradients of the first `wrt` args (default: all) for that cotangent
+    ("fwd+bwd"), the rest (targets, group sizes, indices) held fixed: a training step's view, the
+    forward output used, then the backward."""
+    if mode == "fwd":
+        return jax.jit(lambda *a: fn(*a[:-1]))
+
+    def fwd_bwd(*a):
+        args, cotangent = a[:-1], a[-1]
+        n = len(args) if wrt is None else wrt
+        out, pullback = jax.vjp(lambda *d: fn(*d, *args[n:]), *args[:n])
+        return (out,) + pullback(cotangent)
+
+    return jax.jit(fwd_bwd)
+
+
 def with_config(op_name: str, backend: str | None, fields: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
     """{"config": the backend's heuristic config with `fields` replaced} ('triton:block_t=32'), or {}."""
     if not fields:

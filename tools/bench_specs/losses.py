@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from forgeax import ops
 
-from .base import Shape, Spec, passes_floor
+from .base import Shape, Spec, passes_floor, training_step
 
 
 def _cross_entropy_spec() -> Spec:
@@ -27,15 +27,7 @@ def _cross_entropy_spec() -> Spec:
         return logits, targets, jnp.float32(1.0)  # last: the cotangent of the mean loss
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
-        fn = functools.partial(ops.cross_entropy, backend=backend)
-        if mode == "fwd":
-            return jax.jit(lambda logits, targets, ct: fn(logits, targets))
-
-        def fwd_bwd(logits, targets, ct):
-            loss, pullback = jax.vjp(lambda x: fn(x, targets), logits)
-            return (loss,) + pullback(ct)
-
-        return jax.jit(fwd_bwd)
+        return training_step(functools.partial(ops.cross_entropy, backend=backend), mode, wrt=1)  # logits
 
     # fwd: read the logits once. fwd+bwd: read them twice (loss, then gradient), write the gradient once.
     return Spec("cross_entropy", shapes, make_inputs, build, passes_floor(fwd=1, fwd_bwd=3))
@@ -56,19 +48,12 @@ def _linear_cross_entropy_spec() -> Spec:
         targets = jax.random.randint(kt, (n,), 0, v, jnp.int32)
         return x, w, targets, jnp.float32(1.0)  # last: the cotangent of the mean loss
 
-    def training_step(loss: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    def step(loss: Callable[..., Any], mode: str) -> Callable[..., Any]:
         """loss(x, w, targets) -> the loss (fwd), or the loss and its gradients for x and W."""
-        if mode == "fwd":
-            return jax.jit(lambda x, w, targets, ct: loss(x, w, targets))
-
-        def fwd_bwd(x, w, targets, ct):
-            value, pullback = jax.vjp(lambda a, b: loss(a, b, targets), x, w)
-            return (value,) + pullback(ct)
-
-        return jax.jit(fwd_bwd)
+        return training_step(loss, mode, wrt=2)
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
-        return training_step(functools.partial(ops.linear_cross_entropy, backend=backend), mode)
+        return step(functools.partial(ops.linear_cross_entropy, backend=backend), mode)
 
     def floor(shape: Shape, mode: str) -> tuple[float, float]:
         n, h, v = shape.dims
@@ -81,7 +66,7 @@ def _linear_cross_entropy_spec() -> Spec:
     def materialised_bf16(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         # What users write in plain JAX: logits = x @ W in the weight's dtype (f32 accumulation,
         # rounded once), then the XLA cross-entropy over them (f32 inside its fusions).
-        return training_step(lambda x, w, targets: ops.cross_entropy(jnp.dot(x, w), targets, backend="xla"), mode)
+        return step(lambda x, w, targets: ops.cross_entropy(jnp.dot(x, w), targets, backend="xla"), mode)
 
     return Spec("linear_cross_entropy", shapes, make_inputs, build, floor,
                 anchors={"xla_materialised": materialised_bf16}, main_anchor="xla_materialised")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from forgeax import ops
 from forgeax.core import UnsupportedError
 
-from .base import Shape, Spec, with_config
+from .base import Shape, Spec, training_step, with_config
 
 
 def _gated_mlp_spec() -> Spec:
@@ -30,16 +30,6 @@ def _gated_mlp_spec() -> Spec:
         w_down = normal(kd, (n, k_out), n ** -0.5) if k_out else None
         ct = normal(kc, (m, k_out or n), 1.0)
         return normal(kx, (m, k), 1.0), normal(kg, (k, n), k ** -0.5), normal(ku, (k, n), k ** -0.5), w_down, ct
-
-    def training_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
-        if mode == "fwd":
-            return jax.jit(lambda x, wg, wu, wd, ct: fn(x, wg, wu, wd))
-
-        def fwd_bwd(x, wg, wu, wd, ct):
-            out, pullback = jax.vjp(fn, x, wg, wu, wd)
-            return (out,) + pullback(ct)
-
-        return jax.jit(fwd_bwd)
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         return training_step(functools.partial(ops.gated_mlp, backend=backend, **options), mode)
@@ -117,27 +107,12 @@ def _ragged_dot_spec() -> Spec:
         return _ragged_step(call, mode)
 
     def _ragged_step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
-        if mode == "fwd":
-            return jax.jit(lambda lhs, rhs, sizes, ct: fn(lhs, rhs, sizes))
-
-        def fwd_bwd(lhs, rhs, sizes, ct):
-            out, pullback = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
-            return (out,) + pullback(ct)
-
-        return jax.jit(fwd_bwd)
+        return training_step(fn, mode, wrt=2)  # lhs, rhs (group sizes held)
 
     def _moe_step(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         if backend == "xla":
             raise UnsupportedError("the reference runs E dense products: not a benchmark backend")
-        fn = functools.partial(ops.moe_mlp, top_k=options.get("top_k", 2), backend=backend)
-        if mode == "fwd":
-            return jax.jit(lambda x, logits, wg, wu, wd, ct: fn(x, logits, wg, wu, wd))
-
-        def fwd_bwd(x, logits, wg, wu, wd, ct):
-            out, pullback = jax.vjp(fn, x, logits, wg, wu, wd)
-            return (out,) + pullback(ct)
-
-        return jax.jit(fwd_bwd)
+        return training_step(functools.partial(ops.moe_mlp, top_k=options.get("top_k", 2), backend=backend), mode)
 
     def jax_lax_ragged_dot(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         # XLA's production path: jax.lax.ragged_dot (inside the same MoE layer for the moe shape).

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from forgeax import ops
 
-from .base import NORM_EPS, Shape, Spec, passes_floor, with_config
+from .base import NORM_EPS, Shape, Spec, passes_floor, training_step, with_config
 
 
 def _norm_spec(op_name: str, public: Callable[..., Any], has_offset: bool) -> Spec:
@@ -31,16 +31,7 @@ def _norm_spec(op_name: str, public: Callable[..., Any], has_offset: bool) -> Sp
         return (x, scale, offset, dy) if has_offset else (x, scale, dy)
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
-        fn = functools.partial(public, backend=backend, eps=NORM_EPS)
-        if mode == "fwd":
-            return jax.jit(lambda *a: fn(*a[:-1]))
-
-        # A training step's view: the forward output is used, then the backward.
-        def fwd_bwd(*a):
-            y, pullback = jax.vjp(fn, *a[:-1])
-            return (y,) + pullback(a[-1])
-
-        return jax.jit(fwd_bwd)
+        return training_step(functools.partial(public, backend=backend, eps=NORM_EPS), mode)
 
     # fwd: read x, write y. fwd+bwd adds: read x and dy, write dx.
     return Spec(op_name, shapes, make_inputs, build, passes_floor(fwd=2, fwd_bwd=5), options={"eps": NORM_EPS})
@@ -95,15 +86,7 @@ def _rope_qk_spec() -> Spec:
         return normal(kq, (B, T, N, H)), normal(kk, (B, T, K, H)), positions, (normal(kdq, (B, T, N, H)), normal(kdk, (B, T, K, H)))
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
-        fn = functools.partial(ops.rope_qk, backend=backend, **options)
-        if mode == "fwd":
-            return jax.jit(lambda q, k, positions, ct: fn(q, k, positions))
-
-        def fwd_bwd(q, k, positions, ct):
-            out, pullback = jax.vjp(lambda q, k: fn(q, k, positions), q, k)
-            return out, pullback(ct)
-
-        return jax.jit(fwd_bwd)
+        return training_step(functools.partial(ops.rope_qk, backend=backend, **options), mode, wrt=2)  # q, k
 
     def floor(shape: Shape, mode: str) -> tuple[float, float]:
         B, T, N, K, H = shape.dims
@@ -145,14 +128,7 @@ def _mean_pool_spec() -> Spec:
             config = with_config("mean_pool", backend, options, x, lengths, ids, num_segments=segments)
             return ops.mean_pool(x, lengths=lengths, segment_ids=ids, num_segments=segments, backend=backend, **config)
 
-        if mode == "fwd":
-            return jax.jit(lambda x, lengths, ids, ct: fn(x, lengths, ids))
-
-        def fwd_bwd(x, lengths, ids, ct):
-            out, pullback = jax.vjp(lambda x: fn(x, lengths, ids), x)
-            return (out,) + pullback(ct)
-
-        return jax.jit(fwd_bwd)
+        return training_step(fn, mode, wrt=1)  # x
 
     # fwd: read x (the output is T times smaller). fwd+bwd adds: write dx.
     return Spec("mean_pool", shapes, make_inputs, build, passes_floor(fwd=1, fwd_bwd=2), precheck=False)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from forgeax import ops
 from forgeax.core import UnsupportedError
 
-from .base import Shape, Spec, passes_floor, with_config
+from .base import Shape, Spec, passes_floor, training_step, with_config
 
 
 def _gated_linear_attention_spec() -> Spec:
@@ -29,28 +29,18 @@ def _gated_linear_attention_spec() -> Spec:
         g = jax.nn.log_sigmoid(2.0 + 2.0 * jax.random.normal(ks[3], (b, t, n, kd))).astype(shape.dtype)
         return normal(ks[0], (b, t, n, kd)), normal(ks[1], (b, t, n, kd)), normal(ks[2], (b, t, n, vd)), g, normal(ks[4], (b, t, n, vd))
 
-    def step(fn: Callable[..., Any], mode: str, argnums: int = 4) -> Callable[..., Any]:
-        if mode == "fwd":
-            return jax.jit(lambda *a: fn(*a[:argnums]))
-
-        def fwd_bwd(*a):
-            out, pullback = jax.vjp(fn, *a[:argnums])
-            return (out,) + pullback(a[-1])
-
-        return jax.jit(fwd_bwd)
-
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         if backend == "xla":
             raise UnsupportedError("the reference is a scan over T whose backward keeps every [K, V] state: not a benchmark backend")
-        return step(functools.partial(ops.gated_linear_attention, chunk_size=64, backend=backend, **options), mode)
+        return training_step(functools.partial(ops.gated_linear_attention, chunk_size=64, backend=backend, **options), mode)
 
     def xla_chunked(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
-        return step(functools.partial(ops.gated_linear_attention, chunk_size=64, backend="xla_chunked", **options), mode)
+        return training_step(functools.partial(ops.gated_linear_attention, chunk_size=64, backend="xla_chunked", **options), mode)
 
     def attention_causal(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         if mode == "fwd":
             return jax.jit(lambda q, k, v, g, do: ops.attention(q, k, v, causal=True))
-        return step(lambda q, k, v: ops.attention(q, k, v, causal=True), mode, argnums=3)
+        return training_step(lambda q, k, v, g: ops.attention(q, k, v, causal=True), mode, wrt=3)
 
     def floor(shape: Shape, mode: str) -> tuple[float, float]:
         # The chunked form's FLOPs per token and head (chunk C): intra-chunk scores and output
@@ -83,14 +73,7 @@ def _linear_recurrence_spec() -> Spec:
         return x, a, None, jax.random.normal(kc, shape.dims, jnp.float32).astype(shape.dtype)
 
     def step(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
-        if mode == "fwd":
-            return jax.jit(lambda x, a, h0, ct: fn(x, a))
-
-        def fwd_bwd(x, a, h0, ct):
-            h, pullback = jax.vjp(fn, x, a)
-            return (h,) + pullback(ct)
-
-        return jax.jit(fwd_bwd)
+        return training_step(lambda x, a, h0: fn(x, a), mode, wrt=2)  # x, a (no initial state)
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         options = dict(options)
