@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -201,18 +201,36 @@ def tune_calls(calls: Sequence[Call], *, backends: Sequence[str] | None = None, 
     return Tuning(entries, report=report)
 
 
-# Backends whose compiles must not overlap others (see _time_call).
+# Backends whose compiles must not overlap others (see `compile_all`).
 SERIAL_COMPILE = frozenset({"cudnn"})
 
 
-def _done(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    """`fn(*args)` run now, as a finished future (its exception kept for `result()`)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    try:
-        future.set_result(fn(*args))
-    except Exception as e:  # noqa: BLE001 - delivered by result()
-        future.set_exception(e)
-    return future
+def compile_all(compiles: Mapping[Hashable, Callable[[], Any]], pool: concurrent.futures.Executor, *, serial: bool,
+                timeout_s: float | None = None, each: Callable[[Hashable], None] | None = None) -> dict[Hashable, Any]:
+    """{key: its compile's result, or the exception it raised (a TimeoutError past `timeout_s`)},
+    returned once every compile has ended, so that no candidate runs while another compiles: on
+    an H200 a cuDNN call's first run (its graph captured on a stream) failed while other threads
+    compiled ("capturing stream has unjoined work"), and so did every call after it. The compiles
+    overlap in `pool`, or run one at a time in this thread when `serial` (calls with a backend in
+    SERIAL_COMPILE). `each(key)` is called as each result is collected (a progress bar)."""
+    def outcome(compile_: Callable[[], Any]) -> Any:
+        try:
+            return compile_()
+        except Exception as e:  # noqa: BLE001 - the caller reports it
+            return e
+
+    if serial:
+        done = {key: outcome(compile_) for key, compile_ in compiles.items()}
+        collect = done.__getitem__
+    else:
+        futures = {key: pool.submit(contextvars.copy_context().run, compile_) for key, compile_ in compiles.items()}
+        collect = lambda key: outcome(functools.partial(futures[key].result, timeout=timeout_s))  # noqa: E731
+    results = {}
+    for key in compiles:
+        if each is not None:
+            each(key)
+        results[key] = collect(key)
+    return results
 
 
 def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeout_s, advance,
@@ -227,25 +245,16 @@ def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeo
     def compile_one(candidate):
         return jax.jit(_build(op, call, *candidate)).lower(*args).compile()
 
-    # Every compile finishes before any candidate runs: on an H200 a cuDNN call's first run
-    # (its graph captured on a stream) failed while other threads compiled ("capturing stream
-    # has unjoined work"), and so did every call after it. Calls with cuDNN candidates compile
-    # one at a time (SERIAL_COMPILE).
-    serial = any(backend in SERIAL_COMPILE for backend, _ in found)
-    compiling = {cand: (_done(compile_one, cand) if serial else pool.submit(contextvars.copy_context().run, compile_one, cand))
-                 for cand in found}
-    compiled = {}
-    for (backend, config), future in compiling.items():
-        advance(f"{call.op} {backend}")
-        try:
-            compiled[(backend, config)] = future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            fail(backend, config, f"TimeoutError: not compiled within {timeout_s} s")
-        except Exception as e:  # noqa: BLE001 - a failing candidate is recorded and skipped
-            fail(backend, config, f"{type(e).__name__}: {str(e)[:300]}")
+    compiled = compile_all({cand: functools.partial(compile_one, cand) for cand in found}, pool,
+                           serial=any(backend in SERIAL_COMPILE for backend, _ in found), timeout_s=timeout_s,
+                           each=lambda cand: advance(f"{call.op} {cand[0]}"))
     ready = {}
     for (backend, config), fn in compiled.items():
         try:
+            if isinstance(fn, concurrent.futures.TimeoutError):
+                raise TimeoutError(f"not compiled within {timeout_s} s")
+            if isinstance(fn, Exception):
+                raise fn
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             if time.perf_counter() - start > timeout_s:

@@ -26,6 +26,7 @@ import ast
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform as host_platform
@@ -41,7 +42,7 @@ import bench_specs  # noqa: E402  (a sibling module, also when run as a plain sc
 
 import forgeax  # noqa: E402
 from forgeax import core as interface  # noqa: E402
-from forgeax.core.autotuning import SERIAL_COMPILE  # noqa: E402
+from forgeax.core.autotuning import SERIAL_COMPILE, compile_all  # noqa: E402
 from forgeax.core.timing import copy_bandwidth, interleaved, temp_bytes, time_call  # noqa: E402,F401
 
 # The device nodes by which JAX decides that an NVIDIA GPU is visible (jax/_src/hardware_utils.py,
@@ -227,30 +228,20 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
                                        spec.build(None if backend == "default" else backend, mode, {**options, **extra}))
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
                         _report_failure(op_name, shape.name, mode, name, e)
-                # Compiles may overlap (--compile-workers), except for ops with a cuDNN backend
-                # (core.autotuning.SERIAL_COMPILE), and all of them end before any call runs: a
-                # cuDNN call's first run failed on an H200 while other threads compiled.
-                serial = args.compile_workers <= 1 or bool(set(registered) & SERIAL_COMPILE)
-                compiled = {}
-                for name, fn in built.items():
-                    try:
-                        compiled[name] = lower_and_compile(fn, inputs) if serial else pool.submit(lower_and_compile, fn, inputs)
-                    except Exception as e:  # noqa: BLE001 - report and go on with the other backends
-                        _report_failure(op_name, shape.name, mode, name, e)
-                for name, pending in list(compiled.items()):
-                    try:
-                        compiled[name] = pending if serial else pending.result()
-                    except Exception as e:  # noqa: BLE001
-                        del compiled[name]
-                        _report_failure(op_name, shape.name, mode, name, e)
+                # Compiles may overlap (--compile-workers), except for ops with a cuDNN backend, and
+                # all of them end before any call runs (core.autotuning.compile_all says why).
+                compiled = compile_all({name: functools.partial(lower_and_compile, fn, inputs) for name, fn in built.items()}, pool,
+                                       serial=args.compile_workers <= 1 or bool(set(registered) & SERIAL_COMPILE))
                 fns = {}
-                for name, (compile_s, temp) in compiled.items():
-                    fn = built[name]
+                for name, result in compiled.items():
                     try:
-                        time_call(fn, inputs, calls=1, reps=1)  # warm up (jit reuses the compile above)
-                        fns[name] = (fn, temp, compile_s)
+                        if isinstance(result, Exception):
+                            raise result
+                        compile_s, temp = result
+                        time_call(built[name], inputs, calls=1, reps=1)  # warm up (jit reuses the compile above)
+                        fns[name] = (built[name], temp, compile_s)
                         if name == "default":
-                            chosen[(op_name, shape.name, mode)] = decisions(fn, inputs)
+                            chosen[(op_name, shape.name, mode)] = decisions(built[name], inputs)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
                         _report_failure(op_name, shape.name, mode, name, e)
                 rounds = interleaved({name: (fn, inputs) for name, (fn, _, _) in fns.items()},
