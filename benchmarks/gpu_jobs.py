@@ -4,7 +4,7 @@
 
 `jobs.txt` holds one job per line, `name | seconds | command` (blank lines and `#` comments
 skipped); a job whose name starts with `all:` waits for every GPU and sees all of them (ring
-attention, sharded tests), the others run on whichever GPU frees first, in file order, with
+attention, sharded tests), one starting `x<N>:` (say `x2:`) for N free GPUs and sees those, the others run on whichever GPU frees first, in file order, with
 `CUDA_VISIBLE_DEVICES` set to it; commands run in the current directory and see `$OUT` and
 `$REPO` (that directory). Each job's output goes to `$OUT/<name>.log`; `$OUT/jobs.json`
 records exit codes and seconds, and is rewritten as jobs end, so a device call cut at its limit
@@ -35,6 +35,14 @@ def parse(path: str) -> list[tuple[str, float, str]]:
     return jobs
 
 
+def gpus_wanted(name: str, gpus: int) -> int:
+    """How many GPUs a job asks for by its name: `all:` every one, `x<N>:` N (at most all), else 1."""
+    if name.startswith("all:"):
+        return gpus
+    group = re.match(r"x(\d+):", name)
+    return min(gpus, int(group.group(1))) if group else 1
+
+
 def gpu_count() -> int:
     listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     return max(1, sum(1 for line in listing.splitlines() if line.startswith("GPU ")))
@@ -62,14 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     while queue or running:
         while queue:
             name, limit, command = queue[0]
-            wants_all = name.startswith("all:")
             if time.monotonic() - start > args.deadline_s:
                 queue.pop(0)
                 record(name=name, skipped="deadline")
                 continue
-            needed = list(range(gpus)) if wants_all else free[:1]
-            if not needed or any(g not in free for g in needed):
+            wanted = gpus_wanted(name, gpus)
+            if len(free) < wanted:
                 break
+            needed = free[:wanted]
             queue.pop(0)
             for g in needed:
                 free.remove(g)
