@@ -3,6 +3,8 @@
 Import this module before `import jax`: it adds --xla_force_host_platform_device_count=8 to
 XLA_FLAGS (unless XLA_FLAGS already sets a count), which JAX reads only when it first starts, so it
 takes effect when the test file is the first in its process to import jax (its own target).
+FORGEAX_TEST_DEVICES=2 asks for 2 CPU devices instead, and tests then need only those: the mesh
+shapes of a 2-GPU host (a size-1 mesh axis) reproduced on CPU. CI keeps the default 8.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import math
 import os
 import re
 
+CPU_DEVICES = int(os.environ.get("FORGEAX_TEST_DEVICES", "8"))
+
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
 
 
 def interpret_triton_on_cpu() -> None:
@@ -28,7 +32,7 @@ def skip_unless_devices(cpu: int = 8, gpu: int | None = None) -> bool:
     import pytest  # noqa: PLC0415
 
     on_gpu = jax.default_backend() == "gpu"
-    need = gpu if on_gpu and gpu is not None else cpu
+    need = gpu if on_gpu and gpu is not None else min(cpu, CPU_DEVICES)
     if len(jax.devices()) < need:
         also = f" or {gpu} GPUs" if gpu is not None else ""
         pytest.skip(f"needs {cpu} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts){also}",

@@ -115,6 +115,13 @@ def test_sequence_sharded_attention_runs_the_ring(backend, case):
            ringed=not (window and backend == "pallas_gpu"))
 
 
+@pytest.mark.skipif(ON_GPU, reason="on GPUs the test above runs bf16")
+def test_bf16_ring_returns_the_kernels_dtypes():
+    # xla_chunked's backward returns f32 dq, dk, dv for bf16 inputs: the ring launch must return
+    # the kernel's types too (custom_partitioning rejects bf16 where the unsplit launch gives f32).
+    _check(_loss("xla_chunked", causal=True), _inputs(2, 32, 4, 2, 16, jnp.bfloat16, seed=3), P(None, "seq"), tol=2e-2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_segments_across_shard_boundaries(backend):
     backend = _backend(backend)

@@ -308,6 +308,9 @@ def _ring_launch(kernels: AttentionKernels, spec: AttentionSpec, backward: bool,
     fn = kernels.backward if backward else kernels.forward
     if "t" not in split:
         return fn(*args, spec=spec)
+    # custom_partitioning requires the unsplit launch's result types: the kernel's own dtypes
+    # (xla_chunked's backward returns f32 dq, dk, dv for bf16 inputs), not q's.
+    types = [None if t is None else t.dtype for t in jax.eval_shape(functools.partial(fn, spec=spec), *args)]
     axes, n = split["t"]
     axes = axes if len(axes) > 1 else axes[0]
     q, k, v, _, _, qseg, kvseg, _ = args[:8]
@@ -335,7 +338,7 @@ def _ring_launch(kernels: AttentionKernels, spec: AttentionSpec, backward: bool,
             return per_case(step, me, run, empty)
 
         out, lse = ring_forward(block, axes, n, (B, L, N, Hv), (B, L, N), (k, v, kvseg))
-        return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+        return out.astype(types[0]), jnp.swapaxes(lse, 1, 2).astype(types[1])
 
     out, lse, dout, dlse = args[8:12]
 
@@ -349,7 +352,7 @@ def _ring_launch(kernels: AttentionKernels, spec: AttentionSpec, backward: bool,
         return per_case(step, me, run, empty)
 
     dq, (dk, dv) = ring_backward(block_grad, axes, n, q.shape, (k, v, kvseg), (k.shape, v.shape))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(types[0]), dk.astype(types[1]), dv.astype(types[2]), None
 
 
 def differentiable_attention(kernels: AttentionKernels) -> Callable[..., tuple[Array, Array]]:
