@@ -19,16 +19,15 @@ per shard then all-reduced). Checked here:
   * on >= 2 GPUs: the HLO check for the Triton and Pallas GPU kernels themselves.
 
 Needs 8 devices on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts
-(set here when this file is the first to import jax).
+(set by parallel_env when this file is the first to import jax; FORGEAX_TEST_DEVICES=2: the
+meshes of a 2-GPU host).
 """
 
 from __future__ import annotations
 
-import os
+import parallel_env  # first: XLA_FLAGS before jax starts
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,22 +38,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import conformance
-import parallel_env
 from forgeax import ops
 from forgeax.core.runtime import interpret_mode
 from forgeax.kernels.common.add_rms_norm import AddRmsNormKernels, differentiable_add_rms_norm
 from forgeax.kernels.common.norms import NormKernels, differentiable_norm
 
-ON_GPU = jax.default_backend() == "gpu"
-if len(jax.devices()) < (2 if ON_GPU else 8):
-    pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) or 2 GPUs",
-                allow_module_level=True)
+ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
 
 _COLLECTIVE = parallel_env.COLLECTIVE
 
 
-def _mesh():
-    shape = (len(jax.devices()) // 2, 2) if len(jax.devices()) >= 4 else (len(jax.devices()), 1)
+def _mesh(spec=P("data")):
+    """(n / 2, 2) over ("data", "seq"); on 2 devices every device goes to the axis `spec` splits
+    ("data" when it names both), so a tokens- or heads-sharded case is split there too."""
+    n = len(jax.devices())
+    if n >= 4:
+        shape = (n // 2, 2)
+    else:
+        named = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+        shape = (1, n) if "seq" in named and "data" not in named else (n, 1)
     return jax.make_mesh(shape, ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
@@ -64,17 +66,20 @@ SHARDINGS = {"batch": P("data"), "tokens": P(None, "seq"), "batch_tokens": P("da
 
 
 
-def assert_no_activation_collectives(fn, *args, weight_elements: int):
-    """The compiled program of fn(*args) moves no activations: only all-reduces of <= weight-sized values."""
+def assert_no_activation_collectives(fn, *args, reduced_elements: int):
+    """The compiled program of fn(*args) moves no activations: only all-reduces of at most
+    `reduced_elements` values, the per-device weight gradients and the scalar loss TOGETHER: XLA
+    on GPUs combines a program's all-reduces into one contiguous buffer (dscale [128] and the loss
+    [] reduce as one f32[129]); on CPU each stays separate."""
     hlo = jax.jit(fn).lower(*args).compile().as_text()
     found = [(kind, shape) for shape, kind in _COLLECTIVE.findall(hlo)]
-    bad = [(k, s) for k, s in found if k != "all-reduce" or parallel_env.elements(s) > weight_elements]
+    bad = [(k, s) for k, s in found if k != "all-reduce" or parallel_env.elements(s) > reduced_elements]
     assert not bad, f"activation-sized collectives in the compiled program: {bad}"
     return found
 
 
 def _put(x, spec):
-    return jax.device_put(x, NamedSharding(_mesh(), spec))
+    return jax.device_put(x, NamedSharding(_mesh(spec), spec))
 
 
 def _assert_same(got, want, tol=1e-5):
@@ -181,7 +186,7 @@ def test_norm_shell_splits_rows_without_gathering(sharding):
     dx, dw = jax.jit(grad)(xs, w)
     _assert_same((dx, dw), jax.jit(grad)(x, w))
     assert parallel_env.same_sharding(dx, xs)
-    found = assert_no_activation_collectives(grad, xs, w, weight_elements=40)
+    found = assert_no_activation_collectives(grad, xs, w, reduced_elements=40)
     assert ("all-reduce", "f32[40]{0}") in found  # dscale: per-shard partial sums, one all-reduce
 
 
@@ -197,7 +202,7 @@ def test_add_rms_norm_shell_splits_rows_without_gathering(sharding):
     _assert_same(out, jax.jit(fwd)(x, r, w))
     assert all(parallel_env.same_sharding(o, xs) for o in out)
     _assert_same(jax.jit(grad)(xs, rs, w), jax.jit(grad)(x, r, w))
-    assert_no_activation_collectives(grad, xs, rs, w, weight_elements=24)
+    assert_no_activation_collectives(grad, xs, rs, w, reduced_elements=24)
 
 
 def test_uneven_row_shards_equal_unsharded():
@@ -205,7 +210,7 @@ def test_uneven_row_shards_equal_unsharded():
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((3, 5, 16), np.float32))
     w = jnp.asarray(rng.standard_normal(16, np.float32))
-    sharding = NamedSharding(_mesh(), P("data"))
+    sharding = NamedSharding(_mesh(P("data")), P("data"))
     grad = jax.grad(_norm_loss(STAND_IN_NORM), argnums=(0, 1))
     constrained = lambda x, w: grad(jax.lax.with_sharding_constraint(x * 1.0, sharding), w)  # noqa: E731
     _assert_same(jax.jit(constrained)(x, w), jax.jit(grad)(x, w))
@@ -227,7 +232,7 @@ def _row_inputs(seed, shape, dtype=jnp.float32):
 
 
 def _cases(backend):
-    """(name, fn(*arrays) -> scalar loss, arrays, weight elements) for each row-wise op."""
+    """(name, fn(*arrays) -> scalar loss, arrays) for each row-wise op."""
     d, b, t = 128, 4, 6
     x, r = _row_inputs(0, (b, t, d)), _row_inputs(1, (b, t, d))
     w, o = _row_inputs(2, (d,)), _row_inputs(3, (d,))
@@ -240,34 +245,40 @@ def _cases(backend):
     lce = dict(backend="xla_chunked" if backend == "xla" else backend)  # the chunk loop, not the materialised reference
     lce_w = _row_inputs(9, (d, 300)) * 0.1
     return {
-        "rms_norm": (lambda x, w: jnp.sum(ops.rms_norm(x, w, **be) * cos(x)), (x, w), d),
-        "layer_norm": (lambda x, w, o: jnp.sum(ops.layer_norm(x, w, o, **be) * cos(x)), (x, w, o), d),
-        "add_rms_norm": (lambda x, r, w: sum(jnp.sum(a * cos(x)) for a in ops.add_rms_norm(x, r, w, **be)), (x, r, w), d),
-        "rope": (lambda q, pos: jnp.sum(ops.rope(q, pos, **be) * cos(q)), (q, pos), 1),
-        "rope_qk": (lambda q, k, pos: sum(jnp.sum(a * cos(a)) for a in ops.rope_qk(q, k, pos, **be)), (q, k, pos), 1),
-        "cross_entropy": (lambda lg, tg: ops.cross_entropy(lg, tg, label_smoothing=0.1, **be), (logits, targets), 1),
+        "rms_norm": (lambda x, w: jnp.sum(ops.rms_norm(x, w, **be) * cos(x)), (x, w)),
+        "layer_norm": (lambda x, w, o: jnp.sum(ops.layer_norm(x, w, o, **be) * cos(x)), (x, w, o)),
+        "add_rms_norm": (lambda x, r, w: sum(jnp.sum(a * cos(x)) for a in ops.add_rms_norm(x, r, w, **be)), (x, r, w)),
+        "rope": (lambda q, pos: jnp.sum(ops.rope(q, pos, **be) * cos(q)), (q, pos)),
+        "rope_qk": (lambda q, k, pos: sum(jnp.sum(a * cos(a)) for a in ops.rope_qk(q, k, pos, **be)), (q, k, pos)),
+        "cross_entropy": (lambda lg, tg: ops.cross_entropy(lg, tg, label_smoothing=0.1, **be), (logits, targets)),
         # Chunked over tokens inside each device's rows; dW [H, V] is all-reduced (data parallelism's own cost).
         "linear_cross_entropy": (lambda h, w, tg: ops.linear_cross_entropy(h, w, tg, chunk_size=8, **lce),
-                                 (x, lce_w, targets), d * 300),
+                                 (x, lce_w, targets)),
         "linear_cross_entropy_none": (lambda h, w, tg: jnp.sum(cos(h[..., 0]) * ops.linear_cross_entropy(
-            h, w, tg, chunk_size=8, reduction="none", **lce)), (x, lce_w, targets), d * 300),
+            h, w, tg, chunk_size=8, reduction="none", **lce)), (x, lce_w, targets)),
     }
 
 
-def _shard(arrays, spec):
+def _rows(a):
     # Every row-wise argument has the [B, T] = [4, 6] leading axes; weights stay replicated.
-    return tuple(_put(a, spec) if a.shape[:2] == (4, 6) else a for a in arrays)
+    return a.shape[:2] == (4, 6)
 
 
-def _check_op(fn, arrays, spec, weight_elements, *, hlo: bool):
+def _shard(arrays, spec):
+    return tuple(_put(a, spec) if _rows(a) else a for a in arrays)
+
+
+def _check_op(fn, arrays, spec, *, hlo: bool):
     sharded = _shard(arrays, spec)
     diff = tuple(i for i, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.floating))
+    # What may be all-reduced: the replicated weights' gradients (per-shard partial sums) and the loss.
+    weight_elements = sum(arrays[i].size for i in diff if not _rows(arrays[i])) + 1
     value_and_grad = jax.value_and_grad(fn, argnums=diff)
     got = jax.jit(value_and_grad)(*sharded)
     _assert_same(got, jax.jit(value_and_grad)(*arrays))
     if hlo:
         assert parallel_env.same_sharding(got[1][0], sharded[0])
-        assert_no_activation_collectives(value_and_grad, *sharded, weight_elements=weight_elements)
+        assert_no_activation_collectives(value_and_grad, *sharded, reduced_elements=weight_elements)
 
 
 OPS = list(_cases("xla"))
@@ -276,8 +287,8 @@ OPS = list(_cases("xla"))
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("sharding", ["batch", "tokens"])
 def test_xla_backend_partitions_naturally(op, sharding):
-    fn, arrays, weight = _cases("xla")[op]
-    _check_op(fn, arrays, SHARDINGS[sharding], weight, hlo=True)
+    fn, arrays = _cases("xla")[op]
+    _check_op(fn, arrays, SHARDINGS[sharding], hlo=True)
 
 
 # Interpreted on CPU: correct under sharding (the interpreters run gathered; see the docstring).
@@ -289,8 +300,8 @@ INTERPRETED = {"rms_norm": "pallas_tpu", "layer_norm": "pallas_tpu", "add_rms_no
 @pytest.mark.parametrize("op", INTERPRETED)
 def test_interpreted_kernels_equal_unsharded(op):
     with interpret_mode():
-        fn, arrays, weight = _cases(INTERPRETED[op])[op]
-        _check_op(fn, arrays, SHARDINGS["batch_tokens"], weight, hlo=False)
+        fn, arrays = _cases(INTERPRETED[op])[op]
+        _check_op(fn, arrays, SHARDINGS["batch_tokens"], hlo=False)
 
 
 def _attention_case(backend):
@@ -298,7 +309,7 @@ def _attention_case(backend):
     q, k, v = _row_inputs(10, (4, 6, 4, 32)), _row_inputs(11, (4, 6, 2, 32)), _row_inputs(12, (4, 6, 2, 32))
     bias = _row_inputs(13, (1, 1, 6, 6))
     fn = lambda q, k, v, bias: jnp.sum(jnp.cos(ops.attention(q, k, v, bias=bias, causal=True, backend=backend)))  # noqa: E731
-    return fn, (q, k, v, bias), 36
+    return fn, (q, k, v, bias)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU test below covers the kernels")
@@ -306,19 +317,19 @@ def test_attention_chunk_loop_splits_the_batch():
     # xla_chunked is built from the same shell (kernels/common/attention.py) as the kernel backends:
     # its launches go through the batch split (dbias: per-device sums, all-reduced). Its XLA loop
     # would split by batch by itself too, so the no-gather proof for kernels is the GPU test below.
-    fn, arrays, weight = _attention_case("xla_chunked")
-    _check_op(fn, arrays, SHARDINGS["batch"], weight, hlo=True)
+    fn, arrays = _attention_case("xla_chunked")
+    _check_op(fn, arrays, SHARDINGS["batch"], hlo=True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs >= 2 GPUs")
 @pytest.mark.parametrize("backend", ["triton", "pallas_gpu"])
 def test_gpu_attention_kernels_split_the_batch(backend):
-    fn, arrays, weight = _attention_case(backend)
+    fn, arrays = _attention_case(backend)
     try:
         jax.jit(fn).lower(*arrays)
     except Exception as e:  # noqa: BLE001 - the backend refuses this call (UnsupportedError)
         pytest.skip(f"attention on {backend}: {e}")
-    _check_op(fn, arrays, SHARDINGS["batch"], weight, hlo=True)
+    _check_op(fn, arrays, SHARDINGS["batch"], hlo=True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs >= 2 GPUs")
@@ -326,12 +337,12 @@ def test_gpu_attention_kernels_split_the_batch(backend):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("sharding", ["batch", "tokens"])
 def test_gpu_kernels_split_rows_without_gathering(op, backend, sharding):
-    fn, arrays, weight = _cases(backend)[op]
+    fn, arrays = _cases(backend)[op]
     try:
         jax.jit(fn).lower(*arrays)
     except Exception as e:  # noqa: BLE001 - the op has no such backend (UnsupportedError)
         pytest.skip(f"{op} on {backend}: {e}")
-    _check_op(fn, arrays, SHARDINGS[sharding], weight, hlo=True)
+    _check_op(fn, arrays, SHARDINGS[sharding], hlo=True)
 
 
 # ----------------------------------------------------------------------------- heads-sharded (tensor parallelism)
@@ -348,8 +359,8 @@ def _heads_attention_case(backend, bias_shape):
     return fn, (q, k, v, bias)
 
 
-def _check_heads(fn, arrays, spec, weight_elements):
-    mesh = _mesh()
+def _check_heads(fn, arrays, spec):
+    mesh = _mesh(spec)
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     bias = arrays[3]
     bias_spec = P(spec[0] if bias.shape[0] == arrays[0].shape[0] else None, "seq" if bias.shape[1] == arrays[0].shape[2] else None)
@@ -358,7 +369,12 @@ def _check_heads(fn, arrays, spec, weight_elements):
     got = jax.jit(value_and_grad)(*sharded)
     _assert_same(got, jax.jit(value_and_grad)(*arrays))
     assert parallel_env.same_sharding(got[1][0], sharded[0])
-    assert_no_activation_collectives(value_and_grad, *sharded, weight_elements=weight_elements)
+    # A bias broadcast over a split axis (batch or heads) has its gradient (this device's share of
+    # it: [1, 8 / heads split, 6, 6]) summed over that axis; the loss is all-reduced too.
+    summed = [axis for axis, size, full in ((spec[0], bias.shape[0], arrays[0].shape[0]), (spec[2], bias.shape[1], arrays[0].shape[2]))
+              if axis is not None and size != full and mesh.shape[axis] > 1]
+    bias_share = math.prod(NamedSharding(mesh, bias_spec).shard_shape(bias.shape)) if summed else 0
+    assert_no_activation_collectives(value_and_grad, *sharded, reduced_elements=bias_share + 1)
 
 
 @pytest.mark.parametrize("sharding", HEADS)
@@ -367,7 +383,7 @@ def test_attention_shell_splits_the_heads(sharding, bias_shape):
     # xla_chunked runs through the shared attention shell's launch split (kernels/common/attention.py);
     # a bias broadcast over batch and heads is replicated and its gradient all-reduced (36 values).
     fn, arrays = _heads_attention_case("xla_chunked" if not ON_GPU else "triton", bias_shape)
-    _check_heads(fn, arrays, HEADS[sharding], 36)
+    _check_heads(fn, arrays, HEADS[sharding])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs >= 2 GPUs (interpreted kernels are not partitioned)")
@@ -379,7 +395,7 @@ def test_gpu_attention_kernels_split_the_heads(backend, sharding):
         jax.jit(fn).lower(*arrays)
     except Exception as e:  # noqa: BLE001 - the backend refuses this call (UnsupportedError)
         pytest.skip(f"attention on {backend}: {e}")
-    _check_heads(fn, arrays, HEADS[sharding], 36)
+    _check_heads(fn, arrays, HEADS[sharding])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs >= 2 GPUs (interpreted kernels are not partitioned)")
@@ -388,13 +404,13 @@ def test_gpu_rope_kernels_split_the_heads(sharding):
     q, k = _row_inputs(24, (4, 6, 8, 64)), _row_inputs(25, (4, 6, 4, 64))
     pos = jnp.asarray(np.random.default_rng(26).integers(0, 1000, (4, 6)), jnp.int32)
     fn = lambda q, k, pos: sum(jnp.sum(a * jnp.cos(a)) for a in ops.rope_qk(q, k, pos, backend="triton"))  # noqa: E731
-    mesh = _mesh()
     spec = HEADS[sharding]
+    mesh = _mesh(spec)
     sharded = (jax.device_put(q, NamedSharding(mesh, spec)), jax.device_put(k, NamedSharding(mesh, spec)),
                jax.device_put(pos, NamedSharding(mesh, P(spec[0]))))
     value_and_grad = jax.value_and_grad(fn, argnums=(0, 1))
     _assert_same(jax.jit(value_and_grad)(*sharded), jax.jit(value_and_grad)(q, k, pos))
-    assert_no_activation_collectives(value_and_grad, *sharded, weight_elements=1)
+    assert_no_activation_collectives(value_and_grad, *sharded, reduced_elements=1)
 
 
 def test_vmap_of_partitioned_launches():
@@ -410,4 +426,7 @@ def test_vmap_of_partitioned_launches():
         loss = lambda x, w, t: ops.linear_cross_entropy(x, w, t, backend=backend, chunk_size=2)  # noqa: E731
         return jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(0, None, 0)))(x, w, t)
 
-    _assert_same(batched("xla_chunked"), batched("xla"))
+    # GPUs run f32 matmuls in TF32 by default, and the two algorithms round different values
+    # (2.5e-4 apart on an H100): compare them with f32 matmuls.
+    with jax.default_matmul_precision("highest"):
+        _assert_same(batched("xla_chunked"), batched("xla"))

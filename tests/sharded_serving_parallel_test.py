@@ -249,6 +249,8 @@ def test_shell_splits_without_gathering(op, sharding):
 def test_kv_heads_that_do_not_divide_stay_whole():
     # 2 kv heads over the 4-way "data" axis: the heads cannot split evenly, so the shell keeps them
     # whole (the sharded q is gathered: correct, at the cost of the gather).
+    if 2 % _mesh().shape["data"] == 0:
+        pytest.skip("the 'data' axis divides the 2 kv heads (FORGEAX_TEST_DEVICES=2: 1-way); needs 8 devices")
     fn, arrays, dims, _ = _cases(None)["paged_attention"]
     heads = NamedSharding(_mesh(), P(None, "data"))
     q = jax.device_put(arrays[0], heads)
