@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--backend", help="the local ops.attention backend (default: selection)")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--layout", action="append", choices=("contiguous", "zigzag"),
+                        help="the ring layouts to time (repeatable; default both)")
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
@@ -58,7 +60,7 @@ def main() -> None:
     if n > 1:
         mesh = jax.make_mesh((n,), ("ring",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
         spec = P(None, "ring")
-        for layout in ("contiguous", "zigzag"):
+        for layout in args.layout or ("contiguous", "zigzag"):
             local = fwd_bwd(lambda q, k, v, layout=layout: ops.ring_attention(
                 q, k, v, axis_name="ring", causal=True, layout=layout, backend=args.backend))
             step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))

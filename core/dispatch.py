@@ -305,6 +305,16 @@ class Op:
                 parts.append(f"{key}={text}")
         return f"{self.name}({', '.join(parts)})"
 
+    def select(self, args: Sequence[Any], kwargs: Mapping[str, Any], backend: str | None = None,
+               config: KernelConfig | None = None) -> Choice:
+        """`choose`, recorded for `explain` as a call: for ops that run this op's kernels
+        themselves (ring attention runs attention's per block)."""
+        choice = self.choose(args, kwargs, backend, config)
+        recorder = _RECORDER.get()
+        if recorder is not None:
+            recorder.append(_decision(self, args, kwargs, backend, choice))
+        return choice
+
     def __call__(self, *args: Any, backend: str | None = None, config: KernelConfig | None = None, **kwargs: Any) -> Any:
         calls = _CALLS.get()
         if calls is not None:
@@ -315,10 +325,7 @@ class Op:
                 calls[index] = dataclasses.replace(calls[index], differentiated=True)
 
             args = tuning.watch_gradient(args, differentiated)
-        choice = self.choose(args, kwargs, backend, config)
-        recorder = _RECORDER.get()
-        if recorder is not None:
-            recorder.append(_decision(self, args, kwargs, backend, choice))
+        choice = self.select(args, kwargs, backend, config)
         if choice.gradient_impl is not None:
             return _split(choice.impl, choice.config, choice.gradient_impl, choice.gradient_config, args, kwargs)
         return choice.impl.call(args, kwargs, choice.config)

@@ -38,6 +38,9 @@ class Implementation:
       tuned: measured configs per device kind (a data file shipped with the kernel).
       tuning_key: `(*args, **kwargs) -> str`, the key of a call in `tuned` (default: shapes and
         dtypes of the array arguments).
+      kernels: `(config) -> kernels`, the backend's raw launches for ops composed of this op's
+        kernels (attention: its forward and its backward given the statistics, which ring
+        attention runs per block), or None.
     """
 
     fn: Callable[..., Any]
@@ -49,6 +52,7 @@ class Implementation:
     candidate_configs: Callable[..., Sequence[KernelConfig]] | None = None
     tuned: TunedConfigs | None = None
     tuning_key: Callable[..., str] = call_key
+    kernels: Callable[[KernelConfig | None], Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platforms", frozenset(self.platforms))

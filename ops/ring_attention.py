@@ -9,24 +9,29 @@ and the partial results merge exactly by their log-sum-exp:
     lse = log sum_b exp(lse_b)        out = sum_b exp(lse_b - lse) * out_b
 
 The backward pass is a second ring: the k/v shards travel again together with their dk/dv
-accumulators, each block's gradient comes from re-running that block's forward under `jax.vjp`
-(so no step's scores or k/v copies are kept between the passes: memory stays one shard), and
-after n hops every dk/dv is back on its owner. With the merge above, the cotangents of block
-b are d out_b = w_b * d out and d lse_b = w_b * (<d out, out_b - out> + d lse), w_b = exp(lse_b - lse).
+accumulators and after n hops every dk/dv is back on its owner. Each block's gradient is the
+backend's backward kernel given the GLOBAL out and lse (then p = exp(z - lse) is the global
+probability and the block's dq, dk, dv are its exact share: no block forward is recomputed);
+a backend without raw kernels (the XLA reference) re-runs the block's forward under `jax.vjp`
+with its cotangents weighed by w_b = exp(lse_b - lse): d out_b = w_b * d out and
+d lse_b = w_b * (<d out, out_b - out> + d lse). Memory stays one shard either way. The ring's
+steps are one `fori_loop` (and a last step), so each kernel is compiled twice whatever n is.
 
 Layouts (`layout=`): "contiguous" (shard i holds the i-th of n equal chunks of the sequence,
 the natural order) or "zigzag" (shard i holds chunks i and 2n-1-i of 2n, which balances causal
 work across the ring; `to_zigzag` / `from_zigzag` permute a whole sequence into and out of it).
 Causal attention attends only where a key's global position is at most the query's: whole
 blocks above the diagonal are skipped, blocks on it run the causal kernel, blocks below it the
-unmasked one. A window becomes an explicit boolean mask per block (so backends that refuse
-masks, pallas_gpu and cudnn, are skipped by the selection). A global length that n does not
+unmasked one (zigzag: one kernel call per step, on the part of the queries and keys that
+meet). A window becomes an explicit boolean mask per block (so backends that refuse masks,
+pallas_gpu and cudnn, are skipped by the selection). A global length that n does not
 divide: pad it with `pad_to_ring` and give the padding its own segment id. The ring loop itself
 (kernels/common/ring.py) is shared with sequence-sharded `ops.attention` under plain jit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -34,15 +39,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Integer
 
+from forgeax.core import xla_gpu_deterministic_ops
+from forgeax.kernels.common.attention import AttentionSpec
 from forgeax.kernels.common.batching import ManualAxes
 from forgeax.kernels.common.ring import merge, ring_backward, ring_forward
-from forgeax.ops.attention import attention
+from forgeax.ops.attention import ATTENTION, attention
 
 LAYOUTS = ("contiguous", "zigzag")
-
-# Relation of a query chunk to a key chunk under causal attention.
-_FULL, _DIAGONAL, _SKIP = 0, 1, 2
-
 
 def chunk_ids(shard: jax.Array | int, n: int, layout: str) -> tuple:
     """Global chunk ids held by `shard` (chunks of equal length, n of them or 2n for zigzag)."""
@@ -83,73 +86,194 @@ def pad_to_ring(x: jax.Array, multiple: int, axis: int = 1) -> tuple[jax.Array, 
     return jnp.pad(x, widths), jnp.broadcast_to(ids, lead + (padded,))
 
 
+# Which part of the local queries meets which part of the key shard held at a step, per causal
+# relation (the index a `lax.switch` takes): the key shard is the device's own (DIAGONAL), an
+# earlier device's (0) or a later one's (2). Parts: "all", or the "first" / "second" of the two
+# zigzag chunks; None: nothing (above the diagonal). Contiguous: whole shards below the diagonal
+# are seen in full, the own shard causally. Zigzag (shard i holds chunks i and 2n-1-i, so its own
+# two chunks are in global order): an earlier shard's first chunk is seen in full by every local
+# query and its second chunk by none; a later shard is seen in full by the local second chunk only.
+_DIAGONAL = 1
+_CAUSAL_PARTS = {
+    "contiguous": (("all", "all", False), ("all", "all", True), None),
+    "zigzag": (("all", "first", False), ("all", "all", True), ("second", "all", False)),
+}
+
+
+def _part(x, which: str):
+    """The queries' / keys' `which` part along the sequence axis (1)."""
+    if x is None or which == "all":
+        return x
+    half = x.shape[1] // 2
+    return x[:, :half] if which == "first" else x[:, half:]
+
+
+def _place(x, which: str, length: int, fill: float):
+    """x ([B, t, ...], a part) as the whole local length, `fill` where the part is not."""
+    if which == "all":
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (length - x.shape[1], 0) if which == "second" else (0, length - x.shape[1])
+    return jnp.pad(x, pad, constant_values=fill)
+
+
+class _Local:
+    """How the ring attends one query block to one key block. With the chosen backend's raw
+    kernels (`kernels`), the backward is the kernel's backward given the GLOBAL out and lse:
+    p = exp(z - lse) is then the global probability, so the block's dq, dk, dv are its exact share
+    and no block forward is recomputed. Otherwise (a backend without them, e.g. the XLA reference)
+    `ops.attention`, whose block gradient re-runs the block's forward under `jax.vjp` and weighs
+    its cotangents by w = exp(lse_b - lse): d out_b = w d out, d lse_b = w (<d out, out_b - out> + d lse)."""
+
+    def __init__(self, spec: AttentionSpec, backend, kernels, axes: ManualAxes):
+        self.spec, self.backend, self.kernels, self.axes = spec, backend, kernels, axes
+
+    def _spec(self, causal: bool) -> AttentionSpec:
+        return dataclasses.replace(self.spec, causal=causal)
+
+    def forward(self, q, k, v, seg, causal, mask):
+        """(out f32 [B, t, N, Hv], lse f32 [B, t, N]) of queries q against keys k, values v."""
+        if self.kernels is None:
+            out, lse = attention(q, k, v, causal=causal, mask=mask, segment_ids=seg, return_lse=True, backend=self.backend,
+                                 scale=self.spec.scale, logit_soft_cap=self.spec.logit_soft_cap)
+            return out.astype(jnp.float32), lse
+        qs, ks = seg if seg is not None else (None, None)
+        out, lse = self.kernels.forward(q, k, v, None, mask, qs, ks, None, spec=self._spec(causal))
+        # The kernels drop shard_map's varying-axes type: restored, as every switch branch needs it.
+        return self.axes.apply(out.astype(jnp.float32)), self.axes.apply(jnp.swapaxes(lse, 1, 2))
+
+    def gradient(self, q, k, v, seg, causal, mask, out, lse, d_out, d_lse):
+        """(dq, dk, dv) f32: this block's share of the gradient, given the global out (q's dtype),
+        lse [B, t, N] and their cotangents for these queries."""
+        if self.kernels is not None:
+            qs, ks = seg if seg is not None else (None, None)
+            dq, dk, dv, _ = self.kernels.backward(q, k, v, None, mask, qs, ks, None, out, jnp.swapaxes(lse, 1, 2),
+                                                  d_out.astype(out.dtype), jnp.swapaxes(d_lse, 1, 2), spec=self._spec(causal))
+            return tuple(self.axes.apply(g.astype(jnp.float32)) for g in (dq, dk, dv))
+        (out_b, lse_b), pull = jax.vjp(lambda q, k, v: self.forward(q, k, v, seg, causal, mask), q, k, v)
+        finite = jnp.isfinite(lse)
+        w = jnp.where(finite, jnp.exp(lse_b - jnp.where(finite, lse, 0.0)), 0.0)
+        d_out = d_out.astype(jnp.float32)
+        d_lse_b = w * (jnp.sum(d_out * (out_b - out.astype(jnp.float32)), axis=-1) + d_lse)
+        return tuple(g.astype(jnp.float32) for g in pull((w[..., None] * d_out, d_lse_b)))
+
+
 class _Ring:
     """The static description of one ring call (what the forward and backward passes share)."""
 
-    def __init__(self, axis_name, n, layout, causal, window, options, backend):
+    def __init__(self, axis_name, n, layout, causal, window, local: _Local):
         self.axis_name, self.n, self.layout = axis_name, n, layout
-        self.causal, self.window, self.options, self.backend = causal, window, options, backend
+        self.causal, self.window, self.local = causal, window, local
 
-    def varying(self, x):
-        """A constant typed as varying over the ring axis, as every branch of a switch must be."""
-        return ManualAxes((self.axis_name,)).apply(x)
+    def _empty(self, shape, fill):
+        return self.local.axes.apply(jnp.full(shape, fill, jnp.float32))
+
+    def _parts(self):
+        """The (query part, key part, causal) per branch of a step (None: skip), and the branch
+        index of the key shard of device src."""
+        if not self.causal:
+            return (("all", "all", False),), None
+        relation = lambda me, src: jnp.where(src < me, 0, jnp.where(src == me, _DIAGONAL, 2))  # noqa: E731
+        return _CAUSAL_PARTS[self.layout], relation
+
+    def _switch(self, me, src, branches):
+        parts, relation = self._parts()
+        if relation is None:
+            return branches[0]()
+        return jax.lax.switch(relation(me, src), branches)
 
     def block(self, q, k, v, q_seg, kv_seg, me, src):
         """(out f32, lse) of the local queries against the key shard of device `src`."""
+        if self.window is not None:
+            return self._window_block(q, k, v, q_seg, kv_seg, me, src)
+        L, out_shape = q.shape[1], q.shape[:3] + (v.shape[-1],)
+
+        def branch(part):
+            if part is None:
+                return lambda: (self._empty(out_shape, 0.0), self._empty(q.shape[:3], -jnp.inf))
+            qp, kp, causal = part
+
+            def run():
+                seg = None if q_seg is None else (_part(q_seg, qp), _part(kv_seg, kp))
+                out, lse = self.local.forward(_part(q, qp), _part(k, kp), _part(v, kp), seg, causal, None)
+                return _place(out, qp, L, 0.0), _place(lse, qp, L, -jnp.inf)
+            return run
+
+        return self._switch(me, src, [branch(p) for p in self._parts()[0]])
+
+    def block_grad(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, me, src):
+        """(dq, dk, dv) f32 of the local queries' share against the key shard of device `src`."""
+        if self.window is not None:
+            return self._window_block_grad(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, me, src)
+        L = q.shape[1]
+
+        def branch(part):
+            if part is None:
+                return lambda: tuple(self._empty(a.shape, 0.0) for a in (q, k, v))
+            qp, kp, causal = part
+
+            def run():
+                seg = None if q_seg is None else (_part(q_seg, qp), _part(kv_seg, kp))
+                dq, dk, dv = self.local.gradient(_part(q, qp), _part(k, kp), _part(v, kp), seg, causal, None,
+                                                 _part(out, qp), _part(lse, qp), _part(d_out, qp), _part(d_lse, qp))
+                return _place(dq, qp, L, 0.0), _place(dk, kp, L, 0.0), _place(dv, kp, L, 0.0)
+            return run
+
+        return self._switch(me, src, [branch(p) for p in self._parts()[0]])
+
+    def _pairs(self, q, me, src):
+        """Windowed calls: per chunk of this device's queries (one contiguous, two zigzag), a list of
+        (its slice, a key chunk's slice, the boolean mask by global position) over src's chunks."""
         m = len(chunk_ids(0, self.n, self.layout))
-        q_chunks = jnp.split(q, m, axis=1) if m > 1 else [q]
-        k_chunks = jnp.split(k, m, axis=1) if m > 1 else [k]
-        v_chunks = jnp.split(v, m, axis=1) if m > 1 else [v]
-        qs_chunks = jnp.split(q_seg, m, axis=1) if (q_seg is not None and m > 1) else [q_seg] * m
-        ks_chunks = jnp.split(kv_seg, m, axis=1) if (kv_seg is not None and m > 1) else [kv_seg] * m
+        length = q.shape[1] // m
+        left, right = self.window
+        rows = []
+        for qc, q_id in enumerate(chunk_ids(me, self.n, self.layout)):
+            row = []
+            for kc, k_id in enumerate(chunk_ids(src, self.n, self.layout)):
+                t = q_id * length + jnp.arange(length)[:, None]
+                s = k_id * length + jnp.arange(length)[None, :]
+                allowed = jnp.ones((length, length), bool)
+                if left is not None:
+                    allowed &= s >= t - left
+                if right is not None:
+                    allowed &= s <= t + right
+                if self.causal:
+                    allowed &= s <= t
+                row.append((slice(qc * length, (qc + 1) * length), slice(kc * length, (kc + 1) * length), allowed[None, None]))
+            rows.append(row)
+        return rows
+
+    def _window_block(self, q, k, v, q_seg, kv_seg, me, src):
         outs, lses = [], []
-        for qc, q_id in zip(range(m), chunk_ids(me, self.n, self.layout)):
-            out = jnp.zeros(q_chunks[qc].shape[:-1] + (v.shape[-1],), jnp.float32)
-            lse = jnp.full(q_chunks[qc].shape[:3], -jnp.inf, jnp.float32)
-            for kc, k_id in zip(range(m), chunk_ids(src, self.n, self.layout)):
-                seg = None if qs_chunks[qc] is None else (qs_chunks[qc], ks_chunks[kc])
-                out_b, lse_b = self._pair(q_chunks[qc], k_chunks[kc], v_chunks[kc], seg, q_id, k_id)
-                out, lse = merge(out, lse, out_b, lse_b)
+        for row in self._pairs(q, me, src):
+            out = lse = None
+            for qs, ks, mask in row:
+                seg = None if q_seg is None else (q_seg[:, qs], kv_seg[:, ks])
+                out_p, lse_p = self.local.forward(q[:, qs], k[:, ks], v[:, ks], seg, False, mask)
+                out, lse = (out_p, lse_p) if out is None else merge(out, lse, out_p, lse_p)
             outs.append(out)
             lses.append(lse)
         return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
-    def _pair(self, q, k, v, seg, q_id, k_id):
-        """One query chunk against one key chunk of equal length, by global chunk ids."""
-        length = q.shape[1]
-
-        def run(causal=False, mask=None):
-            # Typed varying already (the kernels' custom_vjp restores the type): casting here would
-            # differentiate into a psum of the cotangents.
-            out, lse = attention(q, k, v, causal=causal, mask=mask, segment_ids=seg, return_lse=True,
-                                 backend=self.backend, **self.options)
-            return out.astype(jnp.float32), lse
-
-        def skip():
-            return (self.varying(jnp.zeros(q.shape[:-1] + (v.shape[-1],), jnp.float32)),
-                    self.varying(jnp.full(q.shape[:3], -jnp.inf, jnp.float32)))
-
-        if self.window is not None:
-            left, right = self.window
-            t = q_id * length + jnp.arange(length)[:, None]
-            s = k_id * length + jnp.arange(length)[None, :]
-            allowed = jnp.ones((length, length), bool)
-            if left is not None:
-                allowed &= s >= t - left
-            if right is not None:
-                allowed &= s <= t + right
-            if self.causal:
-                allowed &= s <= t
-            return run(mask=allowed[None, None])
-        if not self.causal:
-            return run()
-        relation = jnp.where(k_id < q_id, _FULL, jnp.where(k_id == q_id, _DIAGONAL, _SKIP))
-        return jax.lax.switch(relation, [run, functools.partial(run, causal=True), skip])
+    def _window_block_grad(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, me, src):
+        m = len(chunk_ids(0, self.n, self.layout))
+        dqs, dks, dvs = [], [0.0] * m, [0.0] * m
+        for row in self._pairs(q, me, src):
+            dq = 0.0
+            for kc, (qs, ks, mask) in enumerate(row):
+                seg = None if q_seg is None else (q_seg[:, qs], kv_seg[:, ks])
+                g = self.local.gradient(q[:, qs], k[:, ks], v[:, ks], seg, False, mask,
+                                        out[:, qs], lse[:, qs], d_out[:, qs], d_lse[:, qs])
+                dq, dks[kc], dvs[kc] = dq + g[0], dks[kc] + g[1], dvs[kc] + g[2]
+            dqs.append(dq)
+        return tuple(jnp.concatenate(parts, axis=1) for parts in (dqs, dks, dvs))
 
 
 def _forward(ring: _Ring, q, k, v, q_seg, kv_seg):
     block = lambda step, me, src, kv: ring.block(q, kv[0], kv[1], q_seg, kv[2], me, src)  # noqa: E731
-    return ring_forward(block, ring.axis_name, ring.n, q.shape[:-1] + (v.shape[-1],), q.shape[:3], (k, v, kv_seg))
+    return ring_forward(block, ring.axis_name, ring.n, q.shape[:-1] + (v.shape[-1],), q.shape[:3], (k, v, kv_seg),
+                        loop=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -167,26 +291,32 @@ def _ring_fwd(ring, q, k, v, q_seg, kv_seg):
 def _ring_bwd(ring, residuals, cotangents):
     q, k, v, q_seg, kv_seg, out, lse = residuals
     d_out, d_lse = cotangents
-    d_out = d_out.astype(jnp.float32)
-    out32 = out.astype(jnp.float32)
-    finite = jnp.isfinite(lse)
-    safe_lse = jnp.where(finite, lse, 0.0)
 
     def block_grad(step, me, src, kv):
-        k, v, kv_seg = kv
-        (out_b, lse_b), pull = jax.vjp(lambda q, k, v: ring.block(q, k, v, q_seg, kv_seg, me, src), q, k, v)
-        w = jnp.where(finite, jnp.exp(lse_b - safe_lse), 0.0)
-        d_out_b = w[..., None] * d_out
-        d_lse_b = w * (jnp.sum(d_out * (out_b - out32), axis=-1) + d_lse)
-        return pull((d_out_b, d_lse_b))
+        return ring.block_grad(q, kv[0], kv[1], q_seg, kv[2], out, lse, d_out, d_lse.astype(jnp.float32), me, src)
 
     # Every shard and its dk / dv accumulators move on; after n hops each dk / dv is home.
-    dq, (dk, dv) = ring_backward(block_grad, ring.axis_name, ring.n, q.shape, (k, v, kv_seg), (k.shape, v.shape))
+    dq, (dk, dv) = ring_backward(block_grad, ring.axis_name, ring.n, q.shape, (k, v, kv_seg), (k.shape, v.shape),
+                                 loop=True)
     zero_seg = lambda s: None if s is None else jnp.zeros(s.shape, jax.dtypes.float0)  # noqa: E731
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_seg(q_seg), zero_seg(kv_seg)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _local(q, k, v, q_seg, kv_seg, causal: bool, window, options: dict, backend, axis_name) -> _Local:
+    """The block runner: the backend ops.attention picks for this ring's blocks (or `backend`), by
+    its raw kernels when it exposes them (and no forward-only rule split the call)."""
+    spec = AttentionSpec(causal=causal, scale=options["scale"], logit_soft_cap=options["logit_soft_cap"],
+                         deterministic=xla_gpu_deterministic_ops(), return_lse=True)
+    length = q.shape[1]
+    mask = None if window is None else jnp.ones((1, 1, length, length), bool)  # windowed blocks run with masks
+    choice = ATTENTION.select((q, k, v, None, mask, q_seg, kv_seg, None), {"spec": spec}, backend)
+    kernels = None
+    if choice.impl.kernels is not None and choice.gradient_impl is None:
+        kernels = choice.impl.kernels(choice.config)
+    return _Local(dataclasses.replace(spec, causal=False), backend, kernels, ManualAxes((axis_name,)))
 
 
 def ring_attention(
@@ -233,6 +363,8 @@ def ring_attention(
     q_seg = kv_seg = None
     if segment_ids is not None:
         q_seg, kv_seg = (jnp.asarray(s, jnp.int32) for s in segment_ids)
-    ring = _Ring(axis_name, n, layout, bool(causal), None if window is None else tuple(window), options, backend)
+    window = None if window is None else tuple(window)
+    local = _local(q, k, v, q_seg, kv_seg, bool(causal), window, options, backend, axis_name)
+    ring = _Ring(axis_name, n, layout, bool(causal), window, local)
     out, lse = _ring(ring, q, k, v, q_seg, kv_seg)
     return (out, lse) if return_lse else out

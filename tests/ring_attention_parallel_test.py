@@ -85,6 +85,15 @@ def test_ring_with_the_gpu_kernels(backend, layout):
            backend=backend, tol=2e-2, dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_runs_raw_kernels_with_the_global_statistics(layout, causal):
+    # xla_chunked exposes its forward / backward (Implementation.kernels): the ring's backward is
+    # then the kernel backward given the global out and lse, with no block forward recomputed.
+    _check(4, B=1, T=64, N=4, K=2, H=16, layout=layout, causal=causal, seed=8, backend="xla_chunked",
+           segments=jnp.asarray(np.repeat(np.arange(3), [10, 40, 14])[None], jnp.int32))
+
+
 @pytest.mark.skipif(ON_GPU, reason="an interpreter check for CPU runs; on a GPU the kernels run natively above")
 def test_ring_with_an_interpreted_kernel_backend(monkeypatch):
     # The kernels drop shard_map's varying-axes type; their custom_vjp restores it. A cast outside

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from forgeax.kernels.common.batching import ManualAxes
+
 
 def merge(out_acc, lse_acc, out_b, lse_b):
     """Two partial results over disjoint key sets -> their union's (f32; -inf rows stay 0).
@@ -42,36 +44,59 @@ def rotate(axis_name, n: int, *xs):
     return tuple(None if x is None else jax.lax.ppermute(x, axis_name, perm) for x in xs)
 
 
-def ring_forward(block: Callable, axis_name, n: int, out_shape, lse_shape, travel: tuple):
+def _steps(body: Callable, n: int, carry, loop: bool):
+    """carry after body(step, carry, last) for step = 0 .. n-1. loop=False unrolls the steps in
+    Python (each step's block may then be specialised to its static step); loop=True runs steps
+    0 .. n-2 as one `fori_loop` and the last one after it, so the block is traced and its kernels
+    lowered twice whatever n is (compile time no longer grows with the ring)."""
+    if not loop:
+        for step in range(n):
+            carry = body(step, carry, step + 1 == n)
+        return carry
+    if n > 1:
+        carry = jax.lax.fori_loop(0, n - 1, lambda step, c: body(step, c, False), carry)
+    return body(n - 1, carry, True)
+
+
+def ring_forward(block: Callable, axis_name, n: int, out_shape, lse_shape, travel: tuple, *, loop: bool = False):
     """(out f32 [out_shape], lse f32 [lse_shape]) merged over the n steps of the ring.
 
     block(step, me, src, travel) -> (out_b, lse_b) of the local queries against the blocks in
-    `travel` (e.g. (k, v, kv_segment_ids); None entries allowed), which belong to device src."""
+    `travel` (e.g. (k, v, kv_segment_ids); None entries allowed), which belong to device src.
+    With loop=True (inside shard_map) `step` and `src` are traced (see `_steps`)."""
     me = jax.lax.axis_index(axis_name)
-    out = jnp.zeros(out_shape, jnp.float32)
-    lse = jnp.full(lse_shape, -jnp.inf, jnp.float32)
-    for step in range(n):
+    typed = ManualAxes.of(*travel) if loop else ManualAxes()  # a loop's carry keeps one type
+    out = typed.apply(jnp.zeros(out_shape, jnp.float32))
+    lse = typed.apply(jnp.full(lse_shape, -jnp.inf, jnp.float32))
+
+    def body(step, carry, last):
+        out, lse, travel = carry
         out_b, lse_b = block(step, me, (me - step) % n, travel)
         out, lse = merge(out, lse, out_b, lse_b)
-        if step + 1 < n:
-            travel = rotate(axis_name, n, *travel)
+        return out, lse, (travel if last else rotate(axis_name, n, *travel))
+
+    out, lse, _ = _steps(body, n, (out, lse, travel), loop)
     return out, lse
 
 
-def ring_backward(block_grad: Callable, axis_name, n: int, dq_shape, travel: tuple, acc_shapes: tuple):
+def ring_backward(block_grad: Callable, axis_name, n: int, dq_shape, travel: tuple, acc_shapes: tuple, *,
+                  loop: bool = False):
     """(dq f32, accumulators f32) of the backward ring.
 
     block_grad(step, me, src, travel) -> (dq_b, *acc_b): the local queries' gradient and the
     gradients of the travelling blocks of device src (e.g. dk, dv; shapes `acc_shapes`). The
     accumulators travel with `travel` and take one more hop at the end, so each comes home."""
     me = jax.lax.axis_index(axis_name)
-    dq = jnp.zeros(dq_shape, jnp.float32)
-    acc = tuple(jnp.zeros(s, jnp.float32) for s in acc_shapes)
-    for step in range(n):
+    typed = ManualAxes.of(*travel) if loop else ManualAxes()
+    dq = typed.apply(jnp.zeros(dq_shape, jnp.float32))
+    acc = tuple(typed.apply(jnp.zeros(s, jnp.float32)) for s in acc_shapes)
+
+    def body(step, carry, last):
+        dq, acc, travel = carry
         dq_b, *acc_b = block_grad(step, me, (me - step) % n, travel)
         dq = dq + dq_b.astype(jnp.float32)
         acc = tuple(a + b.astype(jnp.float32) for a, b in zip(acc, acc_b))
-        if step + 1 < n:
-            travel = rotate(axis_name, n, *travel)
-        acc = rotate(axis_name, n, *acc)
+        return dq, rotate(axis_name, n, *acc), (travel if last else rotate(axis_name, n, *travel))
+
+    dq, acc, _ = _steps(body, n, (dq, acc, travel), loop)
     return dq, acc

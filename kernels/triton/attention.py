@@ -212,12 +212,16 @@ def candidate_configs(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropou
 
 
 @functools.cache
-def _differentiable(config: TritonAttentionConfig):
+def _kernels(config: TritonAttentionConfig) -> AttentionKernels:
     # Sequence-sharded: LEFT / RIGHT = -1 mean "no bound" here, so shifted negative window
     # bounds of the ring's blocks go in as boolean mask blocks.
-    kernels = AttentionKernels(forward=functools.partial(forward, config=config),
-                               backward=functools.partial(backward, config=config), ring="mask")
-    return differentiable_attention(kernels)
+    return AttentionKernels(forward=functools.partial(forward, config=config),
+                            backward=functools.partial(backward, config=config), ring="mask")
+
+
+@functools.cache
+def _differentiable(config: TritonAttentionConfig):
+    return differentiable_attention(_kernels(config))
 
 
 def attention(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec,
@@ -261,4 +265,5 @@ ATTENTION = Implementation(
     candidate_configs=candidate_configs,
     tuned=TunedConfigs("forgeax.kernels.triton", "tuned/attention.json"),
     tuning_key=tuning_key,
+    kernels=_kernels,
 )

@@ -26,6 +26,7 @@ from forgeax.kernels.common.attention import (
     masked_softmax,
     reduce_bias_grad,
 )
+from forgeax.kernels.common.batching import ManualAxes
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import current_compute_capability, current_compute_capability_major, xla_gpu_deterministic_ops
 
@@ -153,10 +154,11 @@ def chunked_forward(q, k, v, bias, mask, qseg, kvseg, seed, spec, chunk=None):
         acc = acc * alpha[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, vc.astype(jnp.float32), precision=HIGHEST)
         return (m_new, l, acc), None
 
+    typed = ManualAxes.of(q, k, v, qseg, kvseg).apply  # inside shard_map the carry varies like the inputs
     init = (
-        jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, G, T), jnp.float32),
-        jnp.zeros((B, K, G, T, Hv), jnp.float32),
+        typed(jnp.full((B, K, G, T), -jnp.inf, jnp.float32)),
+        typed(jnp.zeros((B, K, G, T), jnp.float32)),
+        typed(jnp.zeros((B, K, G, T, Hv), jnp.float32)),
     )
     (m, l, acc), _ = lax.scan(step, init, (jnp.arange(n), k_c, v_c, bias_c, mask_c, kvseg_c))
     nonempty = l > 0
@@ -200,7 +202,8 @@ def chunked_backward(q, k, v, bias, mask, qseg, kvseg, seed, out, lse, dout, dls
         dk = spec.scale * jnp.einsum("bkgts,btkgh->bskh", dz, q5, precision=HIGHEST)
         return dq, (dk, dv, dbias)
 
-    dq, (dk, dv, dbias) = lax.scan(step, jnp.zeros_like(q5), (jnp.arange(n), k_c, v_c, bias_c, mask_c, kvseg_c))
+    dq0 = ManualAxes.of(q, k, v, qseg, kvseg, out, dout).apply(jnp.zeros(q5.shape, f32))
+    dq, (dk, dv, dbias) = lax.scan(step, dq0, (jnp.arange(n), k_c, v_c, bias_c, mask_c, kvseg_c))
     unchunk = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(a.shape[1:axis + 1] + (n * C,) + a.shape[axis + 2:])
     dk = unchunk(dk, 1)[:, :S]
     dv = unchunk(dv, 1)[:, :S]
@@ -209,10 +212,11 @@ def chunked_backward(q, k, v, bias, mask, qseg, kvseg, seed, out, lse, dout, dls
     return dq.reshape(B, T, N, H), dk, dv, dbias
 
 
-chunked = differentiable_attention(AttentionKernels(forward=chunked_forward, backward=chunked_backward, ring="shift"))
+CHUNKED_KERNELS = AttentionKernels(forward=chunked_forward, backward=chunked_backward, ring="shift")
+chunked = differentiable_attention(CHUNKED_KERNELS)
 
 ATTENTION = Implementation(fn=reference, platforms=("cpu", "gpu", "tpu"))
-ATTENTION_CHUNKED = Implementation(fn=chunked, platforms=("cpu", "gpu", "tpu"))
+ATTENTION_CHUNKED = Implementation(fn=chunked, platforms=("cpu", "gpu", "tpu"), kernels=lambda config: CHUNKED_KERNELS)
 
 
 def cudnn(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):

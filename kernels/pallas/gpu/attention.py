@@ -204,9 +204,14 @@ def _supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, 
 
 
 @functools.cache
+def _kernels(config: AttentionConfig) -> AttentionKernels:
+    return AttentionKernels(forward=functools.partial(forward, config=config),
+                            backward=functools.partial(backward, config=config))
+
+
+@functools.cache
 def _differentiable(config: AttentionConfig):
-    return differentiable_attention(AttentionKernels(forward=functools.partial(forward, config=config),
-                                                     backward=functools.partial(backward, config=config)))
+    return differentiable_attention(_kernels(config))
 
 
 def attention(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec,
@@ -225,4 +230,5 @@ ATTENTION = Implementation(
     config_type=AttentionConfig,
     heuristic_config=heuristic_config,
     candidate_configs=candidate_configs,
+    kernels=_kernels,
 )
