@@ -56,6 +56,10 @@ _TK = 64  # K step: 64 bf16 = one 128-byte swizzled row
 _SMEM_BYTES = 232448  # dynamic shared memory per CTA on Hopper
 _WAVES = 4  # aim for about this many CTAs per SM in the grid
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The kernel's grid and thread axis names. Mosaic GPU resolves lax.axis_index against the
+# enclosing JAX mesh's axes before its own grid's, so a grid axis named like a mesh axis ("v" in a
+# vocabulary-parallel shard_map) reads the device's mesh index instead of the CTA's: private names.
+_SPLIT, _ROWS, _WG = "_forgeax_lce_split", "_forgeax_lce_rows", "_forgeax_lce_wg"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,7 +156,7 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
         a_s, w_s, loaded, consumed = ring
         t_s, t_bar, st_s = small
         o_s, bias_s, bias_bar = extra
-        wg = lax.axis_index("wg") if wgs > 1 else 0
+        wg = lax.axis_index(_WG) if wgs > 1 else 0
 
         def leader(fn):  # TMA issued once per CTA, by warpgroup 0
             if wgs > 1:
@@ -160,7 +164,7 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
             else:
                 fn()
 
-        split, rb = lax.axis_index("v"), lax.axis_index("m")
+        split, rb = lax.axis_index(_SPLIT), lax.axis_index(_ROWS)
         cta_rows = pl.ds(pl.multiple_of(rb * bm, bm), bm)
         mine = pl.ds(wg * _WG_ROWS, _WG_ROWS)  # this warpgroup's rows inside the CTA block
         my_rows = pl.ds(pl.multiple_of(rb * bm + wg * _WG_ROWS, _WG_ROWS), _WG_ROWS)
@@ -275,18 +279,18 @@ def _stats_call(x, w, b, t, *, vocab, cap, smoothing, store, config):
         b_g = refs[2] if has_bias else None
         t_g, stats_g = refs[2 + has_bias:4 + has_bias]
         logits_g = refs[4 + has_bias] if store else None
-        collective = {"collective_axes": "wg"} if wgs > 1 else {}  # one allocation shared by the warpgroups
+        collective = {"collective_axes": _WG} if wgs > 1 else {}  # one allocation shared by the warpgroups
         pl.run_scoped(lambda *s: kernel(x_g, w_g, b_g, t_g, stats_g, logits_g, *s), ring, small, extra, **collective)
 
     out_type = [jax.ShapeDtypeStruct((splits, 4, cp), _F32)]
     if store:
         out_type.append(jax.ShapeDtypeStruct((cp, vp), dt))
-    threads = {"num_threads": wgs, "thread_name": "wg"} if wgs > 1 else {}
+    threads = {"num_threads": wgs, "thread_name": _WG} if wgs > 1 else {}
     call = plgpu.kernel(
         body,
         out_type=tuple(out_type),
         grid=(splits, row_blocks),  # row blocks fastest: CTAs running together share W tiles in L2
-        grid_names=("v", "m"),
+        grid_names=(_SPLIT, _ROWS),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params(),
         **threads,
