@@ -9,6 +9,11 @@ the contiguous layout and in the causal load-balanced zigzag layout. The per-dev
 (attention FLOPs of the whole causal sequence / n / time) is compared with one device running
 `ops.attention` at t_per_device (FLOPs / time), timed in the same interleaved rounds; the issue's
 target is >= 85%. On fewer than 2 devices only the single-device call is timed.
+
+`--blocks` times, on one device, what a zigzag ring step runs locally (fwd+bwd of ops.attention
+with return_lse at the step's shapes: the causal own shard, all queries against the first half
+of the keys, the second half of the queries against all keys) beside the single-device call:
+where a ring falls short of the single device, kernels or the ring around them.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--layout", action="append", choices=("contiguous", "zigzag"),
                         help="the ring layouts to time (repeatable; default both)")
+    parser.add_argument("--blocks", action="store_true", help="time a zigzag step's local blocks on one device")
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
@@ -54,6 +60,14 @@ def main() -> None:
     single_step = jax.jit(fwd_bwd(lambda q, k, v: ops.attention(q, k, v, causal=True, backend=args.backend)))
     single_args = jax.device_put(tuple(a[:, :t] for a in (q, k, v, do)), devices[0])
     candidates = {"single": (single_step, single_args)}
+    if args.blocks:
+        half = t // 2
+        for name, (tq, tk, causal) in {"own_causal": (t, t, True), "all_q_first_k": (t, half, False),
+                                       "second_q_all_k": (half, t, False)}.items():
+            step = jax.jit(fwd_bwd(lambda q, k, v, causal=causal: ops.attention(
+                q, k, v, causal=causal, return_lse=True, backend=args.backend)[0]))
+            candidates[name] = (step, jax.device_put((q[:, :tq], k[:, :tk], v[:, :tk], do[:, :tq]), devices[0]))
+        n = 1
     report = {"devices": [d.device_kind for d in devices], "n": n, "t_per_device": t, "heads": heads, "head_dim": hd,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "method": {"calls_per_round": args.calls, "rounds": args.reps, "statistic": "median, interleaved"}}
@@ -75,6 +89,9 @@ def main() -> None:
         if name == "single":
             continue
         s = statistics.median(times[name])
+        if args.blocks:  # each block does the FLOPs of the causal single call
+            results[name] = {"ms": s * 1e3, "tflops": causal_flops(1, t, heads, hd) / s / 1e12}
+            continue
         per_device = causal_flops(1, n * t, heads, hd) / n / s / 1e12
         results[name] = {"ms": s * 1e3, "tflops_per_device": per_device,
                          "fraction_of_single": per_device / results["single"]["tflops"]}

@@ -125,29 +125,41 @@ class _Local:
     `ops.attention`, whose block gradient re-runs the block's forward under `jax.vjp` and weighs
     its cotangents by w = exp(lse_b - lse): d out_b = w d out, d lse_b = w (<d out, out_b - out> + d lse)."""
 
-    def __init__(self, spec: AttentionSpec, backend, kernels, axes: ManualAxes):
-        self.spec, self.backend, self.kernels, self.axes = spec, backend, kernels, axes
+    def __init__(self, spec: AttentionSpec, backend, axes: ManualAxes):
+        self.spec, self.backend, self.axes = spec, backend, axes
 
     def _spec(self, causal: bool) -> AttentionSpec:
         return dataclasses.replace(self.spec, causal=causal)
 
+    def _kernels(self, q, k, v, seg, causal, mask):
+        """The raw kernels of the backend (and config) ops.attention picks for this block, as its
+        own call (its shapes and causality), or None where that backend has none or a
+        forward-only rule would split the call."""
+        qs, ks = seg if seg is not None else (None, None)
+        choice = ATTENTION.select((q, k, v, None, mask, qs, ks, None), {"spec": self._spec(causal)}, self.backend)
+        if choice.impl.kernels is None or choice.gradient_impl is not None:
+            return None
+        return choice.impl.kernels(choice.config)
+
     def forward(self, q, k, v, seg, causal, mask):
         """(out f32 [B, t, N, Hv], lse f32 [B, t, N]) of queries q against keys k, values v."""
-        if self.kernels is None:
+        kernels = self._kernels(q, k, v, seg, causal, mask)
+        if kernels is None:
             out, lse = attention(q, k, v, causal=causal, mask=mask, segment_ids=seg, return_lse=True, backend=self.backend,
                                  scale=self.spec.scale, logit_soft_cap=self.spec.logit_soft_cap)
             return out.astype(jnp.float32), lse
         qs, ks = seg if seg is not None else (None, None)
-        out, lse = self.kernels.forward(q, k, v, None, mask, qs, ks, None, spec=self._spec(causal))
+        out, lse = kernels.forward(q, k, v, None, mask, qs, ks, None, spec=self._spec(causal))
         # The kernels drop shard_map's varying-axes type: restored, as every switch branch needs it.
         return self.axes.apply(out.astype(jnp.float32)), self.axes.apply(jnp.swapaxes(lse, 1, 2))
 
     def gradient(self, q, k, v, seg, causal, mask, out, lse, d_out, d_lse):
         """(dq, dk, dv) f32: this block's share of the gradient, given the global out (q's dtype),
         lse [B, t, N] and their cotangents for these queries."""
-        if self.kernels is not None:
+        kernels = self._kernels(q, k, v, seg, causal, mask)
+        if kernels is not None:
             qs, ks = seg if seg is not None else (None, None)
-            dq, dk, dv, _ = self.kernels.backward(q, k, v, None, mask, qs, ks, None, out, jnp.swapaxes(lse, 1, 2),
+            dq, dk, dv, _ = kernels.backward(q, k, v, None, mask, qs, ks, None, out, jnp.swapaxes(lse, 1, 2),
                                                   d_out.astype(out.dtype), jnp.swapaxes(d_lse, 1, 2), spec=self._spec(causal))
             return tuple(self.axes.apply(g.astype(jnp.float32)) for g in (dq, dk, dv))
         (out_b, lse_b), pull = jax.vjp(lambda q, k, v: self.forward(q, k, v, seg, causal, mask), q, k, v)
@@ -305,18 +317,11 @@ def _ring_bwd(ring, residuals, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _local(q, k, v, q_seg, kv_seg, causal: bool, window, options: dict, backend, axis_name) -> _Local:
-    """The block runner: the backend ops.attention picks for this ring's blocks (or `backend`), by
-    its raw kernels when it exposes them (and no forward-only rule split the call)."""
+def _local(causal: bool, options: dict, backend, axis_name) -> _Local:
+    """The block runner: per block, the backend ops.attention picks for it (or `backend`)."""
     spec = AttentionSpec(causal=causal, scale=options["scale"], logit_soft_cap=options["logit_soft_cap"],
                          deterministic=xla_gpu_deterministic_ops(), return_lse=True)
-    length = q.shape[1]
-    mask = None if window is None else jnp.ones((1, 1, length, length), bool)  # windowed blocks run with masks
-    choice = ATTENTION.select((q, k, v, None, mask, q_seg, kv_seg, None), {"spec": spec}, backend)
-    kernels = None
-    if choice.impl.kernels is not None and choice.gradient_impl is None:
-        kernels = choice.impl.kernels(choice.config)
-    return _Local(dataclasses.replace(spec, causal=False), backend, kernels, ManualAxes((axis_name,)))
+    return _Local(spec, backend, ManualAxes((axis_name,)))
 
 
 def ring_attention(
@@ -364,7 +369,7 @@ def ring_attention(
     if segment_ids is not None:
         q_seg, kv_seg = (jnp.asarray(s, jnp.int32) for s in segment_ids)
     window = None if window is None else tuple(window)
-    local = _local(q, k, v, q_seg, kv_seg, bool(causal), window, options, backend, axis_name)
+    local = _local(bool(causal), options, backend, axis_name)
     ring = _Ring(axis_name, n, layout, bool(causal), window, local)
     out, lse = _ring(ring, q, k, v, q_seg, kv_seg)
     return (out, lse) if return_lse else out

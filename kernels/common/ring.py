@@ -44,18 +44,24 @@ def rotate(axis_name, n: int, *xs):
     return tuple(None if x is None else jax.lax.ppermute(x, axis_name, perm) for x in xs)
 
 
-def _steps(body: Callable, n: int, carry, loop: bool):
-    """carry after body(step, carry, last) for step = 0 .. n-1. loop=False unrolls the steps in
-    Python (each step's block may then be specialised to its static step); loop=True runs steps
-    0 .. n-2 as one `fori_loop` and the last one after it, so the block is traced and its kernels
-    lowered twice whatever n is (compile time no longer grows with the ring)."""
+def _steps(body: Callable, n: int, carry, loop: bool, peel_first: bool = False):
+    """carry after body(step, carry, first, last) for step = 0 .. n-1. loop=False unrolls the
+    steps in Python (each step's block may then be specialised to its static step); loop=True runs
+    the middle steps as one `fori_loop` and the last one (and with peel_first the first) outside
+    it, so the block is traced and its kernels lowered two or three times whatever n is. `first`
+    is True only where step 0 runs alone (unrolled, or peeled): a body that reads it peels it."""
     if not loop:
         for step in range(n):
-            carry = body(step, carry, step + 1 == n)
+            carry = body(step, carry, step == 0, step + 1 == n)
         return carry
-    if n > 1:
-        carry = jax.lax.fori_loop(0, n - 1, lambda step, c: body(step, c, False), carry)
-    return body(n - 1, carry, True)
+    begin = 0
+    if peel_first:
+        carry, begin = body(0, carry, True, n == 1), 1
+        if n == 1:
+            return carry
+    if n - 1 > begin:
+        carry = jax.lax.fori_loop(begin, n - 1, lambda step, c: body(step, c, False, False), carry)
+    return body(n - 1, carry, n == 1, True)
 
 
 def ring_forward(block: Callable, axis_name, n: int, out_shape, lse_shape, travel: tuple, *, loop: bool = False):
@@ -63,17 +69,19 @@ def ring_forward(block: Callable, axis_name, n: int, out_shape, lse_shape, trave
 
     block(step, me, src, travel) -> (out_b, lse_b) of the local queries against the blocks in
     `travel` (e.g. (k, v, kv_segment_ids); None entries allowed), which belong to device src.
-    With loop=True (inside shard_map) `step` and `src` are traced (see `_steps`)."""
+    With loop=True (inside shard_map) `step` and `src` are traced (see `_steps`). The next step's
+    blocks are sent while this step computes (the two are independent)."""
     me = jax.lax.axis_index(axis_name)
     typed = ManualAxes.of(*travel) if loop else ManualAxes()  # a loop's carry keeps one type
     out = typed.apply(jnp.zeros(out_shape, jnp.float32))
     lse = typed.apply(jnp.full(lse_shape, -jnp.inf, jnp.float32))
 
-    def body(step, carry, last):
+    def body(step, carry, first, last):
         out, lse, travel = carry
+        following = travel if last else rotate(axis_name, n, *travel)
         out_b, lse_b = block(step, me, (me - step) % n, travel)
         out, lse = merge(out, lse, out_b, lse_b)
-        return out, lse, (travel if last else rotate(axis_name, n, *travel))
+        return out, lse, following
 
     out, lse, _ = _steps(body, n, (out, lse, travel), loop)
     return out, lse
@@ -84,19 +92,23 @@ def ring_backward(block_grad: Callable, axis_name, n: int, dq_shape, travel: tup
     """(dq f32, accumulators f32) of the backward ring.
 
     block_grad(step, me, src, travel) -> (dq_b, *acc_b): the local queries' gradient and the
-    gradients of the travelling blocks of device src (e.g. dk, dv; shapes `acc_shapes`). The
-    accumulators travel with `travel` and take one more hop at the end, so each comes home."""
+    gradients of the travelling blocks of device src (e.g. dk, dv; shapes `acc_shapes`). Each
+    block's accumulator follows it one step behind: at step j the accumulator of the block held
+    (the previous device's sum, finished at its step j - 1) arrives while this device computes
+    its share, which is added after; so neither hop waits for a kernel. After the last step one
+    more hop brings every accumulator home."""
     me = jax.lax.axis_index(axis_name)
     typed = ManualAxes.of(*travel) if loop else ManualAxes()
     dq = typed.apply(jnp.zeros(dq_shape, jnp.float32))
     acc = tuple(typed.apply(jnp.zeros(s, jnp.float32)) for s in acc_shapes)
 
-    def body(step, carry, last):
+    def body(step, carry, first, last):
         dq, acc, travel = carry
+        following = travel if last else rotate(axis_name, n, *travel)
+        arrived = acc if first else rotate(axis_name, n, *acc)  # step 0: nothing to receive yet
         dq_b, *acc_b = block_grad(step, me, (me - step) % n, travel)
-        dq = dq + dq_b.astype(jnp.float32)
-        acc = tuple(a + b.astype(jnp.float32) for a, b in zip(acc, acc_b))
-        return dq, rotate(axis_name, n, *acc), (travel if last else rotate(axis_name, n, *travel))
+        acc = tuple(a + b.astype(jnp.float32) for a, b in zip(arrived, acc_b))
+        return dq + dq_b.astype(jnp.float32), acc, following
 
-    dq, acc, _ = _steps(body, n, (dq, acc, travel), loop)
-    return dq, acc
+    dq, acc, _ = _steps(body, n, (dq, acc, travel), loop, peel_first=True)
+    return dq, rotate(axis_name, n, *acc)
