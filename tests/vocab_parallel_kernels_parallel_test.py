@@ -90,14 +90,23 @@ def _collectives(fn, *args):
     return [(kind, shape) for shape, kind in _COLLECTIVE.findall(hlo)]
 
 
-def _assert_only_row_statistics_move(fn, *args, rows: int):
-    """Every collective is an all-reduce of at most `rows` elements (per-row statistics, scalars)."""
+# XLA GPU combines independent all-reduces and concatenates their operands into one flat buffer
+# (AllReduceContiguous): the psum of a row's statistics (sum of exponentials, target logit, sum
+# of logits: kernels/common/losses.py), or every chunk's dx psum hoisted out of the chunk loop,
+# arrives as one f32[3 * rows] / f32[K, C, H] all-reduce. XLA CPU keeps them apart.
+ROW_STATISTICS = 4  # at most this many f32 values per row move (pmax-ed max + the psum-ed sums)
+
+
+def _assert_only_row_statistics_move(fn, *args, limit: int, logits: int):
+    """Every collective is an all-reduce of at most `limit` elements (row statistics, combined or
+    not; scalars), `limit` well under `logits`, the elements of one device's logits (or chunk)."""
+    assert limit < logits, (limit, logits)  # else a moved logits block would pass
     found = _collectives(fn, *args)
     assert found, "expected the pmax / psum of the row statistics"
     sizes = [int(np.prod([int(d) for d in re.findall(r"\d+", dims)] or [1]))
              for _, shape in found for dims in re.findall(r"\[([\d,]*)\]", shape)]
     bad = [(k, s) for k, s in found if k != "all-reduce"]
-    assert not bad and max(sizes) <= rows, f"logits-sized or non-all-reduce collectives: {found}"
+    assert not bad and max(sizes) <= limit, f"logits-sized or non-all-reduce collectives: {found}"
 
 
 # ----------------------------------------------------------------------------- cross_entropy, shard_map
@@ -137,7 +146,7 @@ def test_triton_cross_entropy_moves_row_statistics_only():
     with _kernels():
         sharded = _ce_sharded("triton", mesh, None, reduction="none", **OPTIONS)
         fn = jax.grad(lambda x: jnp.sum(sharded(x, targets) * jnp.arange(6.0)))
-        _assert_only_row_statistics_move(fn, logits, rows=6)
+        _assert_only_row_statistics_move(fn, logits, limit=ROW_STATISTICS * 6, logits=6 * VOCAB // _v_ways())
 
 
 @pytest.mark.skipif(not ON_GPU, reason="selection on GPUs (the CPU priority is XLA)")
@@ -160,13 +169,19 @@ def _lce_sharded(backend, mesh, tokens_axis=None, check_vma=True, **kwargs):
 
 
 def _check_lce(sharded, x, w, t, cot, tol, loss_tol, **kwargs):
-    with _kernels():
+    # f32 matmuls in full f32, here and in the reference: at DEFAULT precision XLA GPU rounds f32
+    # operands to TF32 (10-bit mantissa), and "mean"/"sum" compute dx = g @ W^T before scaling by
+    # the cotangent while autodiff rounds the scaled g: a per-row difference up to 2^-11 in dx,
+    # far above 1e-5 (the f32 tolerance), with both sides right to TF32 precision.
+    with _kernels(), jax.default_matmul_precision("highest"):
         got, pull = jax.vjp(lambda x, w: sharded(x, w, t), x, w)
         grads = pull(cot)
     up = lambda a: a.astype(jnp.float32)  # noqa: E731
-    want, pull = jax.vjp(lambda x, w: lce_reference.linear_cross_entropy(x, w, t, spec=LossSpec(**kwargs)), up(x), up(w))
+    with jax.default_matmul_precision("highest"):
+        want, pull = jax.vjp(lambda x, w: lce_reference.linear_cross_entropy(x, w, t, spec=LossSpec(**kwargs)), up(x), up(w))
+        wants = pull(cot)
     assert conformance.relative_error(got, want) < loss_tol, (got, want)
-    for name, g, r, a in zip("xw", grads, pull(cot), (x, w)):
+    for name, g, r, a in zip("xw", grads, wants, (x, w)):
         assert g.dtype == a.dtype and g.shape == a.shape, name
         assert conformance.relative_error(g, r) < tol, (name, conformance.relative_error(g, r))
 
@@ -209,14 +224,15 @@ def test_triton_linear_cross_entropy_without_vma_checks():
 
 
 def test_triton_linear_cross_entropy_moves_no_logits():
-    # dx is psum-ed per chunk ([C, H]: x is replicated over the vocabulary axis); the row
-    # statistics are [C]; nothing of [C, V] or [H, V] moves.
+    # dx is psum-ed per chunk ([C, H]: x is replicated over the vocabulary axis; XLA GPU may
+    # hoist the psums out of the loop: one [K, C, H], all of dx); the row statistics are [C];
+    # nothing of [C, V] or [H, V] moves.
     mesh = _mesh(("v", _v_ways()))
     x, w, t = _lce_inputs(8, 32, jnp.float32, seed=4)
     with _kernels():
         sharded = _lce_sharded("triton", mesh, chunk_size=4, reduction="mean", label_smoothing=0.1)
         fn = jax.grad(lambda x, w: sharded(x, w, t), argnums=(0, 1))
-        _assert_only_row_statistics_move(fn, x, w, rows=4 * 32)
+        _assert_only_row_statistics_move(fn, x, w, limit=8 * 32, logits=4 * VOCAB // _v_ways())
 
 
 # ----------------------------------------------------------------------------- Pallas TPU (vmap on CPU)
@@ -306,6 +322,41 @@ def test_pallas_gpu_linear_cross_entropy_chunk_kernels_under_vmap():
         assert conformance.relative_error(g, r) < 1e-5
 
 
+def _kernel_axis_names(jaxpr, inside=False):
+    """The axis names lax.axis_index asks for inside Pallas kernels (mpmd_map / pallas_call /
+    core_map bodies) anywhere in `jaxpr`."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if inside and eqn.primitive.name == "axis_index":
+            found.add(eqn.params["axis_name"])
+        inner = inside or eqn.primitive.name in ("mpmd_map", "pallas_call", "core_map")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found |= _kernel_axis_names(sub, inner)
+    return found
+
+
+@pytest.mark.parametrize("axis", ["v", "m", "wg"])
+def test_pallas_gpu_linear_cross_entropy_grid_axes_are_not_mesh_axes(axis):
+    # Mosaic GPU resolves lax.axis_index against the enclosing JAX mesh before the kernel's own
+    # grid: a grid axis named like a mesh axis reads the device's mesh index instead of the CTA's
+    # (on 2 GPUs every CTA computed the same vocabulary split: NaN / too-small losses). Traced, not
+    # run: the CPU interpreter resolves the grid first and cannot show it.
+    from forgeax.kernels.pallas.gpu import linear_cross_entropy as gpu_lce
+
+    spec = LossSpec(axis_name=axis)
+    x, w, t = jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 4096), jnp.bfloat16), jnp.zeros((8,), jnp.int32)
+    mesh = _mesh((axis, 2))
+    for config in (gpu_lce.LinearCrossEntropyPallasGpuConfig(), gpu_lce.LinearCrossEntropyPallasGpuConfig(warpgroups=2, stages=3)):
+        body = lambda x, w, t: gpu_lce.CHUNK_KERNELS.loss((x, w, None), t, spec, config)  # noqa: E731
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, axis), P()), out_specs=P(), check_vma=False)
+        with interpret_mode(False):
+            names = _kernel_axis_names(jax.make_jaxpr(fn)(x, w, t).jaxpr)
+        assert names and axis not in names, names
+
+
 # ----------------------------------------------------------------------------- plain jit, vocabulary-sharded logits
 
 from jax.sharding import NamedSharding  # noqa: E402
@@ -357,8 +408,9 @@ def _plain_case(spec_name, loss_fn, dtype=jnp.float32):
         logits.astype(jnp.float32))
     assert conformance.relative_error(got[0], want[0]) < 1e-5
     assert conformance.relative_error(got[1], want[1]) < (1e-5 if dtype == jnp.float32 else 1e-2)
-    assert got[1].sharding.spec == xs.sharding.spec  # the gradient stays vocabulary-sharded
-    _assert_only_row_statistics_move(fn, xs, ts, rows=24)
+    assert parallel_env.same_sharding(got[1], xs)  # the gradient stays vocabulary-sharded
+    v_ways = math.prod(mesh.shape[a] for a in (spec[2] if isinstance(spec[2], tuple) else (spec[2],)))
+    _assert_only_row_statistics_move(fn, xs, ts, limit=ROW_STATISTICS * 24, logits=24 * VOCAB // v_ways)
 
 
 @pytest.mark.parametrize("sharding", PLAIN_SHARDINGS)
@@ -405,7 +457,7 @@ def _lce_plain_case(backend, x_spec, w_spec, dtype=jnp.float32):
     assert conformance.relative_error(got[0], want[0]) < (2e-3 if bf16 else 1e-5)
     for g, r in zip(got[1], want[1]):
         assert conformance.relative_error(g, r) < (2e-2 if bf16 else 1e-5)
-    assert got[1][1].sharding.spec == args[1].sharding.spec  # dW stays vocabulary-sharded
+    assert parallel_env.same_sharding(got[1][1], args[1])  # dW stays vocabulary-sharded
     found = _collectives(fn, *args)
     v_ways = math.prod(mesh.shape[a] for a in (w_spec[1] if isinstance(w_spec[1], tuple) else (w_spec[1],)))
     # Row statistics, the chunks' dx [C, H], and (tokens also split) dW's slice summed over "data".
