@@ -118,8 +118,8 @@ def _place(x, which: str, length: int, fill: float):
 
 
 class _Local:
-    """How the ring attends one query block to one key block. With the chosen backend's raw
-    kernels (`kernels`), the backward is the kernel's backward given the GLOBAL out and lse:
+    """How the ring attends one query block to one key block. With the raw kernels of the
+    backend chosen for the block (`Implementation.kernels`), the backward is the kernel's backward given the GLOBAL out and lse:
     p = exp(z - lse) is then the global probability, so the block's dq, dk, dv are its exact share
     and no block forward is recomputed. Otherwise (a backend without them, e.g. the XLA reference)
     `ops.attention`, whose block gradient re-runs the block's forward under `jax.vjp` and weighs
@@ -160,7 +160,7 @@ class _Local:
         if kernels is not None:
             qs, ks = seg if seg is not None else (None, None)
             dq, dk, dv, _ = kernels.backward(q, k, v, None, mask, qs, ks, None, out, jnp.swapaxes(lse, 1, 2),
-                                                  d_out.astype(out.dtype), jnp.swapaxes(d_lse, 1, 2), spec=self._spec(causal))
+                                             d_out.astype(out.dtype), jnp.swapaxes(d_lse, 1, 2), spec=self._spec(causal))
             return tuple(self.axes.apply(g.astype(jnp.float32)) for g in (dq, dk, dv))
         (out_b, lse_b), pull = jax.vjp(lambda q, k, v: self.forward(q, k, v, seg, causal, mask), q, k, v)
         finite = jnp.isfinite(lse)
