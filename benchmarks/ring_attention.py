@@ -19,6 +19,7 @@ where a ring falls short of the single device, kernels or the ring around them.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import statistics
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.common import fwd_bwd, interleaved
+from benchmarks.common import fwd_bwd, interleaved, kernel_times
 from forgeax import ops
 
 
@@ -49,6 +50,9 @@ def main() -> None:
     parser.add_argument("--layout", action="append", choices=("contiguous", "zigzag"),
                         help="the ring layouts to time (repeatable; default both)")
     parser.add_argument("--blocks", action="store_true", help="time a zigzag step's local blocks on one device")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also each candidate's GPU kernel times (CUPTI, every device of the process summed): "
+                             "attention kernels, NCCL and the rest against the wall time, to see what overlaps")
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
@@ -97,6 +101,20 @@ def main() -> None:
                          "fraction_of_single": per_device / results["single"]["tflops"]}
     for name, r in results.items():
         print(name, json.dumps(r), flush=True)
+    if args.kernel_times:
+        for name, (fn, fn_args) in candidates.items():
+            try:
+                times_ms = kernel_times(fn, fn_args, iterations=3)
+            except Exception as e:  # noqa: BLE001 - CUPTI may refuse a multi-device program: say so, keep the timings
+                print(name, "kernel times unavailable:", type(e).__name__, str(e)[:200], flush=True)
+                continue
+            groups = collections.Counter()
+            for kernel, ms in times_ms.items():
+                groups["nccl" if "nccl" in kernel.lower() else "other"] += ms
+            groups["all"] = sum(times_ms.values())
+            top = dict(sorted(times_ms.items(), key=lambda kv: -kv[1])[:8])
+            results[name]["kernel_ms"] = {"groups": dict(groups), "top": top}
+            print(name, "kernel ms:", json.dumps(results[name]["kernel_ms"]), flush=True)
     report["results"] = results
     if args.out != "-":
         with open(args.out, "w") as f:
