@@ -23,6 +23,18 @@ def gpu_refusal(*, wgmma: bool) -> str | None:
     return None
 
 
+# Mosaic GPU resolves lax.axis_index (and thread_name / collective_axes) against the enclosing
+# JAX mesh's axis names before a kernel's own grid, cluster and warpgroup names: a kernel axis
+# named like a user's mesh axis ("v", "batch", "heads", "t" inside shard_map) reads the device's
+# mesh position instead of the block's. Every kernel axis name is therefore private.
+AXIS_PREFIX = "_forgeax_"
+
+
+def kernel_axis(name: str) -> str:
+    """The private name of a kernel's grid / cluster / thread axis `name`."""
+    return AXIS_PREFIX + name
+
+
 def interpret_params():
     """plgpu.kernel's `interpret` argument: the Mosaic GPU interpreter under interpret mode."""
     return plgpu.InterpretGPUParams() if interpret_enabled() else None

@@ -41,7 +41,7 @@ from forgeax.kernels.pallas.gpu.attention_tiles import (
     tile_schedule,
 )
 from forgeax.kernels.pallas.gpu.warpgroups import (
-    CTA, F32, FIRST_NAMED_BARRIER, ROWS, WGS, Mma, SlotFree, bcast, i32, launch, warp_specialized, zeros,
+    CTA, F32, FIRST_NAMED_BARRIER, ROWS, WG_AXIS, WGS, Mma, SlotFree, bcast, i32, launch, warp_specialized, zeros,
 )
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def _dkv(q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, spec, tails: T
         dz_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
         (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dz_smem, stage, row_ids_smem, col_ids_smem,
          kv_bar, loaded, free) = refs
-        wg = lax.axis_index("wg")
+        wg = lax.axis_index(WG_AXIS)
         ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         steps_of = lambda t: Gc * tile(t).steps  # ring uses: every query head of the chunk's group
@@ -304,7 +304,7 @@ def _dq(q, k, v, do, out, lse2, row_term, q_segment_ids, kv_segment_ids, spec, t
         delta_ref = rest[0] if fused_delta else None
         (q_smem, do_smem, k_smem, v_smem, lse_smem, row_smem, delta_smem, stage, row_ids_smem, col_ids_smem,
          q_bar, loaded, free) = rest[-13:]
-        wg = lax.axis_index("wg")
+        wg = lax.axis_index(WG_AXIS)
         ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         steps_of = lambda t: tile(t).steps + first
@@ -447,7 +447,7 @@ def _dq_from_dz(q, k, dz, packed: PackedTiles, q_segment_ids, kv_segment_ids, sp
 
     def kernel(k_ref, dz_ref, table_ref, reach_ref, key_reach_ref, dz_base_ref, dq_ref, k_smem, dz_smem, out_smem,
                loaded, free):
-        wg = lax.axis_index("wg")
+        wg = lax.axis_index(WG_AXIS)
         ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=False)
         tile = functools.partial(tile_at, reach=reach_ref if segmented else None)
         steps_of = lambda t: tile(t).steps

@@ -39,7 +39,7 @@ from forgeax.kernels.pallas.gpu.attention_tiles import (
     scores, exp2_scaled, segment_ids, segment_inputs, staging_and_segment_buffers, tails_of, three_loops, tile_schedule,
 )
 from forgeax.kernels.pallas.gpu.warpgroups import (
-    CTA, F32, FIRST_NAMED_BARRIER, ROWS, WGS, Mma, PingPong, SlotFree, bcast, full_rows, i32, launch,
+    CTA, F32, FIRST_NAMED_BARRIER, ROWS, WG_AXIS, WGS, Mma, PingPong, SlotFree, bcast, full_rows, i32, launch,
     warp_specialized, zeros,
 )
 
@@ -143,7 +143,7 @@ class _ForwardKernel:
         self.q_smem, self.o_smem, self.k_smem, self.v_smem, self.lse_smem = q_smem, o_smem, k_smem, v_smem, lse_smem
         self.stage, self.row_ids_smem, self.col_ids_smem = stage, row_ids_smem, col_ids_smem
         self.q_bar, self.k_bar, self.v_bar = q_bar, k_bar, v_bar
-        self.wg = lax.axis_index("wg")
+        self.wg = lax.axis_index(WG_AXIS)
         self.tile = functools.partial(self.tile_at, reach=reach_ref if self.segmented else None)
         # K/V ring uses are numbered across this CTA's tiles: key block j of a tile is use
         # g = base + j - lo (`Schedule.run`).

@@ -38,7 +38,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.gated_mlp import differentiable_gated_mlp, hidden_size
-from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
+from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params, kernel_axis
 from forgeax.kernels.pallas.interpret import without_effects
 
 _F32 = jnp.float32
@@ -47,6 +47,7 @@ _BN = 64  # columns per accumulator: two 128 x 64 f32 accumulators = 128 registe
 _TK = 64  # K step: 64 bf16 = one 128-byte swizzled row
 _SMEM_BYTES = 232448  # dynamic shared memory per CTA on Hopper
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_TILE_AXIS = kernel_axis("t")  # the grid: one CTA per output tile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,7 @@ def _call(x, wg, wu, dh, *, n, up_offset, activation, want_h, config):
         dh_g = refs[3] if backward else None
         outs = refs[3 + backward:-1]
         a_s, g_s, u_s, loaded, epi_s, epi_bar = refs[-1]
-        pid = lax.axis_index("t")
+        pid = lax.axis_index(_TILE_AXIS)
         per_group = group_m * blocks_n
         first_m = (pid // per_group) * group_m
         size = jnp.minimum(blocks_m - first_m, group_m)
@@ -198,7 +199,7 @@ def _call(x, wg, wu, dh, *, n, up_offset, activation, want_h, config):
         out_type=out_type,
         scratch_types=scratch,
         grid=(blocks_m * blocks_n,),
-        grid_names=("t",),
+        grid_names=(_TILE_AXIS,),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params(),
     )

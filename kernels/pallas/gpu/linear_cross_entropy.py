@@ -45,7 +45,7 @@ from forgeax.kernels.common import linear_cross_entropy as chunked
 from forgeax.kernels.common.batching import ManualAxes
 from forgeax.kernels.common.losses import LossSpec, combine_partials, local_targets, logits_grad, vocab_range
 from forgeax.kernels.pallas.interpret import without_effects
-from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
+from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params, kernel_axis
 from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
@@ -56,10 +56,9 @@ _TK = 64  # K step: 64 bf16 = one 128-byte swizzled row
 _SMEM_BYTES = 232448  # dynamic shared memory per CTA on Hopper
 _WAVES = 4  # aim for about this many CTAs per SM in the grid
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# The kernel's grid and thread axis names. Mosaic GPU resolves lax.axis_index against the
-# enclosing JAX mesh's axes before its own grid's, so a grid axis named like a mesh axis ("v" in a
-# vocabulary-parallel shard_map) reads the device's mesh index instead of the CTA's: private names.
-_SPLIT, _ROWS, _WG = "_forgeax_lce_split", "_forgeax_lce_rows", "_forgeax_lce_wg"
+# The kernel's grid and thread axes (private names: a grid axis named like a mesh axis, "v" in a
+# vocabulary-parallel shard_map, would read the device's mesh index instead of the CTA's).
+_SPLIT, _ROWS, _WG = kernel_axis("lce_split"), kernel_axis("lce_rows"), kernel_axis("lce_wg")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,7 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common import newton_schulz as common
-from forgeax.kernels.pallas.gpu import gpu_refusal
+from forgeax.kernels.pallas.gpu import gpu_refusal, kernel_axis
 from forgeax.kernels.pallas.gpu.warpgroups import F32, k_block, one_warpgroup_kernel, tma_wgmma_loop, transforms
 
 _TK = 64  # K step: 64 bf16 = one 128-byte swizzled row
@@ -45,6 +45,7 @@ _BLOCKS = (64, 128)  # wgmma M (one warpgroup) and N; 128 x 128 f32 = 128 regist
 _SMEM_BYTES = 232448  # dynamic shared memory per CTA on Hopper
 _RESERVED = 2048 + 1024  # Pallas' reduction scratch and the barriers, rounded up
 _DT = common.ITERATION_DTYPE
+_BATCH_AXIS, _TILE_AXIS = kernel_axis("b"), kernel_axis("t")  # the grid: matrix, tile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,7 +146,7 @@ def _matmul(lhs, rhs, extra, table: np.ndarray, *, alpha: float, beta: float, rh
     def kernel(table_g, eye_g, lhs_g, rhs_g, *refs):
         extra_g = refs[0] if has_extra else None
         out_g, a_s, b_s, loaded, o_s, e_s, eye_s, e_bar, eye_bar = refs[has_extra:]
-        b, t = lax.axis_index("b"), lax.axis_index("t")
+        b, t = lax.axis_index(_BATCH_AXIS), lax.axis_index(_TILE_AXIS)
         r, s = table_g[0, t], table_g[1, t]
         rows = pl.ds(pl.multiple_of(r * bm, bm), bm)
         cols = pl.ds(pl.multiple_of(s * bn, bn), bn)
@@ -203,7 +204,8 @@ def _matmul(lhs, rhs, extra, table: np.ndarray, *, alpha: float, beta: float, rh
         plgpu.Barrier(num_arrivals=1),
     )
     out_type = jax.ShapeDtypeStruct((batch, m, n), _DT)
-    call = one_warpgroup_kernel(kernel, scratch, out_type, grid=(batch, table.shape[1]), grid_names=("b", "t"))
+    call = one_warpgroup_kernel(kernel, scratch, out_type, grid=(batch, table.shape[1]),
+                                grid_names=(_BATCH_AXIS, _TILE_AXIS))
     eye = jnp.eye(bn, dtype=_DT) if mirror else jnp.zeros((8, 64), _DT)
     return call(jnp.asarray(table), eye, lhs, rhs, *((extra,) if has_extra else ()))
 

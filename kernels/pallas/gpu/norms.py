@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.kernels.common.norms import NormKernels, differentiable_norm, rms_only, row_count
-from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params
+from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params, kernel_axis
 from forgeax.core.registry import Implementation
 
 _F32 = jnp.float32
@@ -58,6 +58,7 @@ _MAX_CHUNK = 1024  # columns per loop step (note §6, V5)
 _MAX_D = 65536
 _CACHE_BYTES = 32 * 1024  # tiles kept in registers: <= 256 B (64 regs) per thread
 _BWD_MAX_CTAS = 1024  # backward grid; partial sums are [G, 4, D] f32
+_ROWS_AXIS, _CTAS_AXIS = kernel_axis("rows"), kernel_axis("ctas")  # forward / backward grid
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -152,7 +153,7 @@ def _forward(x, scale, offset, *, eps, centered):
         t = _Tiles(vec, block_rows, chunk, d // chunk, cache)
         # Last block: shifted back to end at row r_all (overlaps its neighbour,
         # which writes the same values), so no rows are padded or masked.
-        r0 = jnp.minimum(lax.axis_index("rows") * block_rows, r_all - block_rows)
+        r0 = jnp.minimum(lax.axis_index(_ROWS_AXIS) * block_rows, r_all - block_rows)
 
         def centred(c0):
             xc = t.load(x_ref, r0, c0, key="x")
@@ -187,7 +188,7 @@ def _forward(x, scale, offset, *, eps, centered):
         body,
         out_type=tuple(out_type),
         grid=(pl.cdiv(r_all, block_rows),),
-        grid_names=("rows",),
+        grid_names=(_ROWS_AXIS,),
         # Every thread only reads inputs and writes outputs (no SMEM, no
         # location both read and written): the automatic warpgroup barrier
         # after each store is not needed (CompilerParams docs).
@@ -227,7 +228,7 @@ def _backward(x, scale, stats, dy, *, eps, centered, with_offset):
         if centered:
             mean_ref, *refs = refs
         rstd_ref, dx_ref, dscale_ref, *doffset_ref = refs
-        g = lax.axis_index("ctas")
+        g = lax.axis_index(_CTAS_AXIS)
         parts = [dscale_ref] + doffset_ref  # this CTA's [4, D] slices: parts[i].at[g]
 
         # Zero the partials in the same layout as the read-modify-writes
@@ -295,7 +296,7 @@ def _backward(x, scale, stats, dy, *, eps, centered, with_offset):
         body,
         out_type=out_type,
         grid=(n_ctas,),
-        grid_names=("ctas",),
+        grid_names=(_CTAS_AXIS,),
         compiler_params=_compiler_params(no_auto_barriers=False),
         interpret=interpret_params(),
     )(x, dy, scale.astype(_F32), *stats)

@@ -38,12 +38,13 @@ from forgeax.core.config import KernelConfig
 from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.ragged_dot import RaggedDotSpec, differentiable_ragged_dot, group_bounds
-from forgeax.kernels.pallas.gpu import gpu_refusal
+from forgeax.kernels.pallas.gpu import gpu_refusal, kernel_axis
 from forgeax.kernels.pallas.gpu.warpgroups import F32, k_block, one_warpgroup_kernel, tma_wgmma_loop, transforms
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ALIGN = 64  # K and N multiples: one 128-byte swizzled row of 16-bit elements
 _SMEM_BYTES = 232448  # dynamic shared memory per CTA on Hopper
+_TILE_AXIS = kernel_axis("t")  # both kernels' grid: one CTA per output tile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,7 +113,7 @@ def _band(pid, items: int, tiles: int, group_m: int):
 
 
 def _launch(kernel, scratch, out_type, ctas: int):
-    return one_warpgroup_kernel(kernel, scratch, out_type, grid=(ctas,), grid_names=("t",))
+    return one_warpgroup_kernel(kernel, scratch, out_type, grid=(ctas,), grid_names=(_TILE_AXIS,))
 
 
 # ----------------------------------------------------------------------------- forward
@@ -154,7 +155,7 @@ def _forward_call(lhs, rhs, items, blocks, *, n, out_dtype, transpose_rhs, cfg):
     dt = lhs.dtype
 
     def kernel(items_g, blocks_g, lhs_g, rhs_g, out_g, a_s, b_s, loaded, o_s):
-        bi, nt = _band(lax.axis_index("t"), n_blocks, tiles, cfg.group_m)
+        bi, nt = _band(lax.axis_index(_TILE_AXIS), n_blocks, tiles, cfg.group_m)
         row0 = pl.multiple_of(bi * bm, bm)
         rows = pl.ds(row0, bm)
         cols = pl.ds(pl.multiple_of(nt * bn, bn), bn)
@@ -240,7 +241,7 @@ def _transposed_call(lhs, dout, groups, *, out_dtype, cfg):
     dt = lhs.dtype
 
     def kernel(groups_g, lhs_g, dout_g, out_g, a_s, d_s, loaded, o_s):
-        pid = lax.axis_index("t")
+        pid = lax.axis_index(_TILE_AXIS)
         gi = lax.div(pid, k_tiles * n_tiles)
         # Within a group, K tiles fastest in bands of group_m: the CTAs resident together read a
         # few K-tile slabs of lhs and N-tile slabs of dout, each several times, from L2.

@@ -31,13 +31,14 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forgeax.core.runtime import gpu_sm_count, interpret_enabled
-from forgeax.kernels.pallas.gpu import interpret_params
+from forgeax.kernels.pallas.gpu import interpret_params, kernel_axis
 from forgeax.kernels.pallas.interpret import without_effects
 
 F32 = jnp.float32
 ROWS = 64  # rows per consumer warpgroup (the wgmma M)
 WGS = 2  # consumer warpgroups per CTA
 CTA = ROWS * WGS
+WG_AXIS = kernel_axis("wg")  # the warpgroup (thread) axis of a `launch` CTA
 
 INTERPRET_CTAS = 2  # interpret mode: two CTAs, most with several tiles (uneven counts)
 # Registers per thread of the consumer and producer warpgroups: 2 x 240 + 24 fills the 64K. At
@@ -182,13 +183,14 @@ def balance(steps: np.ndarray, ctas: int) -> np.ndarray:
     return table
 
 
-TILE_AXES = ("heads", "rows", "batch")
+TILE_AXES = tuple(map(kernel_axis, ("heads", "rows", "batch")))  # one CTA per tile
+CTA_AXIS = kernel_axis("cta")  # persistent grid
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Which tiles a CTA runs. One CTA per tile: the grid is the tiles' (heads, row tiles, batch)
-    and a tile is its grid indices. Persistent (ctas = #SMs, grid axis "cta"): the tiles
+    and a tile is its grid indices. Persistent (ctas = #SMs, grid axis CTA_AXIS): the tiles
     `balance` gives the CTA, by id (heads fastest), read from a table input."""
 
     dims: tuple[int, int, int]
@@ -211,7 +213,7 @@ class Schedule:
         """plgpu.kernel's grid arguments."""
         if self.table is None:
             return dict(grid=self.dims, grid_names=TILE_AXES)
-        return dict(grid=(self.ctas,), grid_names=("cta",))
+        return dict(grid=(self.ctas,), grid_names=(CTA_AXIS,))
 
     def input(self) -> jax.Array:
         """The table, an extra kernel input (a placeholder when there is none)."""
@@ -222,7 +224,7 @@ class Schedule:
         (base: the ring uses of its earlier tiles, so ring slots and barrier phases carry on)."""
         if self.table is None:
             return body(i32(0), self.tile(table_ref, 0), i32(0))
-        cta = lax.axis_index("cta")
+        cta = lax.axis_index(CTA_AXIS)
         return lax.fori_loop(0, self.count(table_ref), lambda kk, base: body(kk, table_ref[cta, kk + 1], base), i32(0))
 
     def total(self, table_ref, steps_of):
@@ -231,7 +233,7 @@ class Schedule:
 
     def count(self, table_ref):
         """How many tiles this CTA runs."""
-        return 1 if self.table is None else table_ref[lax.axis_index("cta"), 0]
+        return 1 if self.table is None else table_ref[lax.axis_index(CTA_AXIS), 0]
 
     def has_next(self, table_ref, kk):
         return kk + 1 < self.count(table_ref)
@@ -241,7 +243,7 @@ class Schedule:
         no tile id) or its id."""
         if self.table is None:
             return tuple(lax.axis_index(name) for name in TILE_AXES)
-        return table_ref[lax.axis_index("cta"), kk + 1]
+        return table_ref[lax.axis_index(CTA_AXIS), kk + 1]
 
 
 # ----------------------------------------------------------------------------- wgmma
@@ -434,14 +436,14 @@ def launch(name: str, kernel, scratch, barriers, out_type, schedule: Schedule, i
     `row_reductions_only`: see `compiler_params`."""
 
     def body(*refs):
-        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+        pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes=WG_AXIS)
 
     return plgpu.kernel(
         body,
         out_type=out_type,
         **schedule.grid,
         num_threads=WGS + 1,
-        thread_name="wg",
+        thread_name=WG_AXIS,
         compiler_params=compiler_params(row_reductions_only),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name=name,
