@@ -205,32 +205,37 @@ def tune_calls(calls: Sequence[Call], *, backends: Sequence[str] | None = None, 
 SERIAL_COMPILE = frozenset({"cudnn"})
 
 
-def compile_all(compiles: Mapping[Hashable, Callable[[], Any]], pool: concurrent.futures.Executor, *, serial: bool,
-                timeout_s: float | None = None, each: Callable[[Hashable], None] | None = None) -> dict[Hashable, Any]:
+def compile_all(compiles: Mapping[Hashable, Callable[[], Any]], pool: concurrent.futures.Executor, *,
+                serial: bool | Callable[[Hashable], bool], timeout_s: float | None = None,
+                each: Callable[[Hashable], None] | None = None) -> dict[Hashable, Any]:
     """{key: its compile's result, or the exception it raised (a TimeoutError past `timeout_s`)},
     returned once every compile has ended, so that no candidate runs while another compiles: on
     an H200 a cuDNN call's first run (its graph captured on a stream) failed while other threads
     compiled ("capturing stream has unjoined work"), and so did every call after it. The compiles
-    overlap in `pool`, or run one at a time in this thread when `serial` (calls with a backend in
-    SERIAL_COMPILE). `each(key)` is called as each result is collected (a progress bar)."""
+    overlap in `pool`, except those `serial` names (True: all; a predicate: the keys it accepts,
+    e.g. candidates of a backend in SERIAL_COMPILE), which run one at a time in this thread after
+    the pooled ones have ended, so each compiles alone (a pooled compile past its timeout is left
+    running). `each(key)` is called as each result is collected (a progress bar)."""
     def outcome(compile_: Callable[[], Any]) -> Any:
         try:
             return compile_()
         except Exception as e:  # noqa: BLE001 - the caller reports it
             return e
 
-    if serial:
-        done = {key: outcome(compile_) for key, compile_ in compiles.items()}
-        collect = done.__getitem__
-    else:
-        futures = {key: pool.submit(contextvars.copy_context().run, compile_) for key, compile_ in compiles.items()}
-        collect = lambda key: outcome(functools.partial(futures[key].result, timeout=timeout_s))  # noqa: E731
+    alone = serial if callable(serial) else (lambda key: serial)
+    futures = {key: pool.submit(contextvars.copy_context().run, compile_)
+               for key, compile_ in compiles.items() if not alone(key)}
     results = {}
-    for key in compiles:
+    for key in futures:
         if each is not None:
             each(key)
-        results[key] = collect(key)
-    return results
+        results[key] = outcome(functools.partial(futures[key].result, timeout=timeout_s))
+    for key, compile_ in compiles.items():
+        if key not in futures:
+            if each is not None:
+                each(key)
+            results[key] = outcome(compile_)
+    return {key: results[key] for key in compiles}
 
 
 def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeout_s, advance,
@@ -246,7 +251,7 @@ def _time_call(op, call: Call, found, args, pool, rounds, calls_per_round, timeo
         return jax.jit(_build(op, call, *candidate)).lower(*args).compile()
 
     compiled = compile_all({cand: functools.partial(compile_one, cand) for cand in found}, pool,
-                           serial=any(backend in SERIAL_COMPILE for backend, _ in found), timeout_s=timeout_s,
+                           serial=lambda candidate: candidate[0] in SERIAL_COMPILE, timeout_s=timeout_s,
                            each=lambda cand: advance(f"{call.op} {cand[0]}"))
     ready = {}
     for (backend, config), fn in compiled.items():

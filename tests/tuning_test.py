@@ -4,6 +4,7 @@ jax.grad too) and FORGEAX_AUTOTUNE."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -25,6 +26,12 @@ class ScaleConfig(forgeax.KernelConfig):
 
 
 COMPILE_THREADS: set[str] = set()  # the threads that traced a `kern` call
+XLA_THREADS: set[str] = set()  # the threads that traced an `xla` call of the probe
+
+
+def _doubled(x):
+    XLA_THREADS.add(threading.current_thread().name)
+    return 2 * x
 
 
 def _scaled(x, *, config):
@@ -44,7 +51,7 @@ def probe():
         fn=_scaled, platforms=set(core.PLATFORMS), config_type=ScaleConfig,
         heuristic_config=lambda x: ScaleConfig(), candidate_configs=lambda x: [ScaleConfig(scale=s) for s in (3, 4, 13) + ((14,) if x.shape[0] == 3 else ())],
         supports=lambda x: None if x.shape[-1] % 2 == 0 else "odd widths are not handled")
-    op = forgeax.define_op("tuning_probe", {"xla": forgeax.Implementation(fn=lambda x: 2 * x), "kern": kern},
+    op = forgeax.define_op("tuning_probe", {"xla": forgeax.Implementation(fn=_doubled), "kern": kern},
                            priority={p: ("kern",) for p in core.PLATFORMS})
     yield op
     del core.OPS["tuning_probe"]
@@ -219,15 +226,27 @@ def test_autotune_times_a_call_made_plain_and_differentiated_in_both_modes(probe
     assert sorted((e.timed, e.backend) for e in entries) == [("fwd", "kern"), ("fwd", "xla"), ("fwd+bwd", "kern"), ("fwd+bwd", "xla")]
 
 
-def test_autotune_compiles_calls_with_a_serial_backend_one_at_a_time(probe, monkeypatch):
-    # cuDNN's first runs failed on an H200 while other threads compiled: calls with such a
-    # backend among their candidates compile in the calling thread.
+def test_autotune_compiles_a_serial_backend_alone_and_the_rest_in_the_pool(probe, monkeypatch):
+    # cuDNN's first runs failed on an H200 while other threads compiled: a backend in
+    # SERIAL_COMPILE compiles in the calling thread, after the other candidates' pooled compiles.
     x = jnp.ones((2, 8))
-    for serial, want_only_this_thread in ((frozenset(), False), (frozenset({"kern"}), True)):
+    here = threading.current_thread().name
+    for serial, want_kern_here in ((frozenset(), False), (frozenset({"kern"}), True)):
         monkeypatch.setattr(autotuning, "SERIAL_COMPILE", serial)
         COMPILE_THREADS.clear()
+        XLA_THREADS.clear()
         forgeax.autotune(jax.jit(probe), x, rounds=1, calls=1, progress=False, timeout_s=5, max_configs=2, workers=4)
-        assert (COMPILE_THREADS == {threading.current_thread().name}) == want_only_this_thread
+        assert (COMPILE_THREADS == {here}) == want_kern_here
+        assert XLA_THREADS and here not in XLA_THREADS  # xla's compiles stay in the pool either way
+
+
+def test_compile_all_runs_serial_keys_after_the_pooled_ones():
+    order = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = autotuning.compile_all({k: (lambda k=k: (order.append(k), k)[1]) for k in ("a", "cudnn", "b")}, pool,
+                                     serial=lambda k: k == "cudnn")
+    assert got == {"a": "a", "cudnn": "cudnn", "b": "b"} and list(got) == ["a", "cudnn", "b"]
+    assert order[-1] == "cudnn" and sorted(order[:2]) == ["a", "b"]
 
 
 def test_autotune_inputs_take_integer_values_from_the_functions_arguments():
