@@ -119,9 +119,9 @@ def _place(x, which: str, length: int, fill: float):
 
 class _Local:
     """How the ring attends one query block to one key block. With the raw kernels of the
-    backend chosen for the block (`Implementation.kernels`), the backward is the kernel's backward given the GLOBAL out and lse:
-    p = exp(z - lse) is then the global probability, so the block's dq, dk, dv are its exact share
-    and no block forward is recomputed. Otherwise (a backend without them, e.g. the XLA reference)
+    backend chosen for the block (`Implementation.kernels`), the backward is the kernel's
+    backward given the GLOBAL out and lse: p = exp(z - lse) is then the global probability, so
+    the block's dq, dk, dv are its exact share and no block forward is recomputed. Otherwise (a backend without them, e.g. the XLA reference)
     `ops.attention`, whose block gradient re-runs the block's forward under `jax.vjp` and weighs
     its cotangents by w = exp(lse_b - lse): d out_b = w d out, d lse_b = w (<d out, out_b - out> + d lse)."""
 
@@ -131,11 +131,16 @@ class _Local:
     def _spec(self, causal: bool) -> AttentionSpec:
         return dataclasses.replace(self.spec, causal=causal)
 
+    @staticmethod
+    def _ids(seg):
+        """(q segment ids, kv segment ids), or (None, None)."""
+        return seg if seg is not None else (None, None)
+
     def _kernels(self, q, k, v, seg, causal, mask):
         """The raw kernels of the backend (and config) ops.attention picks for this block, as its
         own call (its shapes and causality), or None where that backend has none or a
         forward-only rule would split the call."""
-        qs, ks = seg if seg is not None else (None, None)
+        qs, ks = self._ids(seg)
         choice = ATTENTION.select((q, k, v, None, mask, qs, ks, None), {"spec": self._spec(causal)}, self.backend)
         if choice.impl.kernels is None or choice.gradient_impl is not None:
             return None
@@ -148,7 +153,7 @@ class _Local:
             out, lse = attention(q, k, v, causal=causal, mask=mask, segment_ids=seg, return_lse=True, backend=self.backend,
                                  scale=self.spec.scale, logit_soft_cap=self.spec.logit_soft_cap)
             return out.astype(jnp.float32), lse
-        qs, ks = seg if seg is not None else (None, None)
+        qs, ks = self._ids(seg)
         out, lse = kernels.forward(q, k, v, None, mask, qs, ks, None, spec=self._spec(causal))
         # The kernels drop shard_map's varying-axes type: restored, as every switch branch needs it.
         return self.axes.apply(out.astype(jnp.float32)), self.axes.apply(jnp.swapaxes(lse, 1, 2))
@@ -158,7 +163,7 @@ class _Local:
         lse [B, t, N] and their cotangents for these queries."""
         kernels = self._kernels(q, k, v, seg, causal, mask)
         if kernels is not None:
-            qs, ks = seg if seg is not None else (None, None)
+            qs, ks = self._ids(seg)
             dq, dk, dv, _ = kernels.backward(q, k, v, None, mask, qs, ks, None, out, jnp.swapaxes(lse, 1, 2),
                                              d_out.astype(out.dtype), jnp.swapaxes(d_lse, 1, 2), spec=self._spec(causal))
             return tuple(self.axes.apply(g.astype(jnp.float32)) for g in (dq, dk, dv))
@@ -180,19 +185,13 @@ class _Ring:
     def _empty(self, shape, fill):
         return self.local.axes.apply(jnp.full(shape, fill, jnp.float32))
 
-    def _parts(self):
-        """The (query part, key part, causal) per branch of a step (None: skip), and the branch
-        index of the key shard of device src."""
+    def _switch(self, me, src, branch):
+        """branch(part)() for this step's (query part, key part, causal) (part None: skip): the one
+        unmasked part without causality, else a switch on src's key shard's causal relation."""
         if not self.causal:
-            return (("all", "all", False),), None
-        relation = lambda me, src: jnp.where(src < me, 0, jnp.where(src == me, _DIAGONAL, 2))  # noqa: E731
-        return _CAUSAL_PARTS[self.layout], relation
-
-    def _switch(self, me, src, branches):
-        parts, relation = self._parts()
-        if relation is None:
-            return branches[0]()
-        return jax.lax.switch(relation(me, src), branches)
+            return branch(("all", "all", False))()
+        relation = jnp.where(src < me, 0, jnp.where(src == me, _DIAGONAL, 2))
+        return jax.lax.switch(relation, [branch(part) for part in _CAUSAL_PARTS[self.layout]])
 
     def block(self, q, k, v, q_seg, kv_seg, me, src):
         """(out f32, lse) of the local queries against the key shard of device `src`."""
@@ -211,7 +210,7 @@ class _Ring:
                 return _place(out, qp, L, 0.0), _place(lse, qp, L, -jnp.inf)
             return run
 
-        return self._switch(me, src, [branch(p) for p in self._parts()[0]])
+        return self._switch(me, src, branch)
 
     def block_grad(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, me, src):
         """(dq, dk, dv) f32 of the local queries' share against the key shard of device `src`."""
@@ -231,7 +230,7 @@ class _Ring:
                 return _place(dq, qp, L, 0.0), _place(dk, kp, L, 0.0), _place(dv, kp, L, 0.0)
             return run
 
-        return self._switch(me, src, [branch(p) for p in self._parts()[0]])
+        return self._switch(me, src, branch)
 
     def _pairs(self, q, me, src):
         """Windowed calls: per chunk of this device's queries (one contiguous, two zigzag), a list of

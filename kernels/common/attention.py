@@ -41,7 +41,8 @@ dropped-out probabilities (p * keep / (1 - rate)):
     dq[t]   = scale * sum_s dz[t, s] k[s];   dk[s] = scale * sum_t dz[t, s] q[t]   (summed over the
               query heads that share a kv head)
 dq, dk, dv come back in the dtypes of q, k, v (or f32: xla_chunked's backward, whose callers
-sum block gradients in f32 anyway); dbias in bias's dtype with bias's shape (None without bias). Fully masked rows have p = 0, so they contribute nothing.
+sum block gradients in f32 anyway); dbias in bias's dtype with bias's shape (None without
+bias). Fully masked rows have p = 0, so they contribute nothing.
 
 Dropout keep-mask (every backend computes exactly this, so they agree bit for bit), in uint32
 arithmetic that wraps modulo 2^32, `>>` logical:

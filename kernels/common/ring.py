@@ -72,7 +72,7 @@ def ring_forward(block: Callable, axis_name, n: int, out_shape, lse_shape, trave
     With loop=True (inside shard_map) `step` and `src` are traced (see `_steps`). The next step's
     blocks are sent while this step computes (the two are independent)."""
     me = jax.lax.axis_index(axis_name)
-    typed = ManualAxes.of(*travel) if loop else ManualAxes()  # a loop's carry keeps one type
+    typed = ManualAxes.of(*travel)  # inside shard_map a loop's carry keeps the inputs' type
     out = typed.apply(jnp.zeros(out_shape, jnp.float32))
     lse = typed.apply(jnp.full(lse_shape, -jnp.inf, jnp.float32))
 
@@ -98,7 +98,7 @@ def ring_backward(block_grad: Callable, axis_name, n: int, dq_shape, travel: tup
     its share, which is added after; so neither hop waits for a kernel. After the last step one
     more hop brings every accumulator home."""
     me = jax.lax.axis_index(axis_name)
-    typed = ManualAxes.of(*travel) if loop else ManualAxes()
+    typed = ManualAxes.of(*travel)
     dq = typed.apply(jnp.zeros(dq_shape, jnp.float32))
     acc = tuple(typed.apply(jnp.zeros(s, jnp.float32)) for s in acc_shapes)
 
