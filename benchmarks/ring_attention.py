@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--blocks", action="store_true", help="time a zigzag step's local blocks on one device")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also each candidate's GPU kernel times (CUPTI, every device of the process summed): "
-                             "attention kernels, NCCL and the rest against the wall time, to see what overlaps")
+                             "NCCL's and the rest, the largest by name, against the wall time, to see what overlaps")
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
     devices = jax.devices()[: args.devices] if args.devices else jax.devices()
