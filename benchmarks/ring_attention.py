@@ -11,9 +11,10 @@ the contiguous layout and in the causal load-balanced zigzag layout. The per-dev
 target is >= 85%. On fewer than 2 devices only the single-device call is timed.
 
 `--blocks` times, on one device, what a zigzag ring step runs locally (fwd+bwd of ops.attention
-with return_lse at the step's shapes: the causal own shard, all queries against the first half
-of the keys, the second half of the queries against all keys) beside the single-device call:
-where a ring falls short of the single device, kernels or the ring around them.
+at the step's shapes: the causal own shard, all queries against the first half of the keys, the
+second half of the queries against all keys) beside the single-device call: where a ring falls
+short of the single device, kernels or the ring around them. `--ring-backend` (repeatable) times
+the ring (or the blocks) with each named local backend side by side.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--devices", type=int, help="use the first N devices (default all)")
-    parser.add_argument("--backend", help="the local ops.attention backend (default: selection)")
+    parser.add_argument("--backend", help="the one-GPU ops.attention backend (default: selection)")
+    parser.add_argument("--ring-backend", action="append",
+                        help="a local backend of the ring (and of --blocks) to time (repeatable, side by side; "
+                             "'default': the selection per block; default: that alone)")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--layout", action="append", choices=("contiguous", "zigzag"),
@@ -64,13 +68,17 @@ def main() -> None:
     single_step = jax.jit(fwd_bwd(lambda q, k, v: ops.attention(q, k, v, causal=True, backend=args.backend)))
     single_args = jax.device_put(tuple(a[:, :t] for a in (q, k, v, do)), devices[0])
     candidates = {"single": (single_step, single_args)}
+    ring_backends = {b: None if b == "default" else b for b in args.ring_backend or ("default",)}
+    suffix = lambda b: "" if len(ring_backends) == 1 else f"/{b}"  # noqa: E731
     if args.blocks:
         half = t // 2
-        for name, (tq, tk, causal) in {"own_causal": (t, t, True), "all_q_first_k": (t, half, False),
-                                       "second_q_all_k": (half, t, False)}.items():
-            step = jax.jit(fwd_bwd(lambda q, k, v, causal=causal: ops.attention(
-                q, k, v, causal=causal, return_lse=True, backend=args.backend)[0]))
-            candidates[name] = (step, jax.device_put((q[:, :tq], k[:, :tk], v[:, :tk], do[:, :tq]), devices[0]))
+        for b, backend in ring_backends.items():
+            for name, (tq, tk, causal) in {"own_causal": (t, t, True), "all_q_first_k": (t, half, False),
+                                           "second_q_all_k": (half, t, False)}.items():
+                step = jax.jit(fwd_bwd(lambda q, k, v, causal=causal, backend=backend: ops.attention(
+                    q, k, v, causal=causal, backend=backend)))
+                candidates[name + suffix(b)] = (step, jax.device_put((q[:, :tq], k[:, :tk], v[:, :tk], do[:, :tq]),
+                                                                     devices[0]))
         n = 1
     report = {"devices": [d.device_kind for d in devices], "n": n, "t_per_device": t, "heads": heads, "head_dim": hd,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -79,11 +87,13 @@ def main() -> None:
         mesh = jax.make_mesh((n,), ("ring",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
         spec = P(None, "ring")
         for layout in args.layout or ("contiguous", "zigzag"):
-            local = fwd_bwd(lambda q, k, v, layout=layout: ops.ring_attention(
-                q, k, v, axis_name="ring", causal=True, layout=layout, backend=args.backend))
-            step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
             arrays = (q, k, v, do) if layout == "contiguous" else tuple(ops.to_zigzag(a, n) for a in (q, k, v, do))
-            candidates[layout] = (step, tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays))
+            arrays = tuple(jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays)
+            for b, backend in ring_backends.items():
+                local = fwd_bwd(lambda q, k, v, layout=layout, backend=backend: ops.ring_attention(
+                    q, k, v, axis_name="ring", causal=True, layout=layout, backend=backend))
+                step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
+                candidates[layout + suffix(b)] = (step, arrays)
     for fn, fn_args in candidates.values():
         jax.block_until_ready(fn(*fn_args))  # compile outside the rounds
     times = interleaved(candidates, calls=args.calls, rounds=args.reps, warmup=1)

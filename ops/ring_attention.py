@@ -24,7 +24,8 @@ Causal attention attends only where a key's global position is at most the query
 blocks above the diagonal are skipped, blocks on it run the causal kernel, blocks below it the
 unmasked one (zigzag: one kernel call per step, on the part of the queries and keys that
 meet). A window becomes an explicit boolean mask per block (so backends that refuse masks,
-pallas_gpu and cudnn, are skipped by the selection). A global length that n does not
+pallas_gpu and cudnn, are skipped by the selection). cuDNN's backward takes no lse cotangent: it
+serves the blocks only when the ring's own lse is not returned. A global length that n does not
 divide: pad it with `pad_to_ring` and give the padding its own segment id. The ring loop itself
 (kernels/common/ring.py) is shared with sequence-sharded `ops.attention` under plain jit.
 """
@@ -136,19 +137,21 @@ class _Local:
         """(q segment ids, kv segment ids), or (None, None)."""
         return seg if seg is not None else (None, None)
 
-    def _kernels(self, q, k, v, seg, causal, mask):
-        """The raw kernels of the backend (and config) ops.attention picks for this block, as its
-        own call (its shapes and causality), or None where that backend has none or a
-        forward-only rule would split the call."""
+    def _kernels(self, q, k, v, seg, causal, mask, backward: bool):
+        """The raw kernels of the backend (and config) ops.attention picks for this block's
+        forward or backward, as its own call (its shapes and causality; a forward-only rule may
+        pick another backend for the forward: the backward takes any out and lse), or None where
+        that backend has none."""
         qs, ks = self._ids(seg)
         choice = ATTENTION.select((q, k, v, None, mask, qs, ks, None), {"spec": self._spec(causal)}, self.backend)
-        if choice.impl.kernels is None or choice.gradient_impl is not None:
-            return None
-        return choice.impl.kernels(choice.config)
+        impl, config = choice.impl, choice.config
+        if backward and choice.gradient_impl is not None:
+            impl, config = choice.gradient_impl, choice.gradient_config
+        return None if impl.kernels is None else impl.kernels(config)
 
     def forward(self, q, k, v, seg, causal, mask):
         """(out f32 [B, t, N, Hv], lse f32 [B, t, N]) of queries q against keys k, values v."""
-        kernels = self._kernels(q, k, v, seg, causal, mask)
+        kernels = self._kernels(q, k, v, seg, causal, mask, backward=False)
         if kernels is None:
             out, lse = attention(q, k, v, causal=causal, mask=mask, segment_ids=seg, return_lse=True, backend=self.backend,
                                  scale=self.spec.scale, logit_soft_cap=self.spec.logit_soft_cap)
@@ -161,7 +164,7 @@ class _Local:
     def gradient(self, q, k, v, seg, causal, mask, out, lse, d_out, d_lse):
         """(dq, dk, dv) f32: this block's share of the gradient, given the global out (q's dtype),
         lse [B, t, N] and their cotangents for these queries."""
-        kernels = self._kernels(q, k, v, seg, causal, mask)
+        kernels = self._kernels(q, k, v, seg, causal, mask, backward=True)
         if kernels is not None:
             qs, ks = self._ids(seg)
             dq, dk, dv, _ = kernels.backward(q, k, v, None, mask, qs, ks, None, out, jnp.swapaxes(lse, 1, 2),
@@ -316,10 +319,11 @@ def _ring_bwd(ring, residuals, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _local(causal: bool, options: dict, backend, axis_name) -> _Local:
-    """The block runner: per block, the backend ops.attention picks for it (or `backend`)."""
+def _local(causal: bool, options: dict, backend, axis_name, lse_gradient: bool) -> _Local:
+    """The block runner: per block, the backend ops.attention picks for it (or `backend`).
+    `lse_gradient`: whether the ring's lse is returned, so that it may take a cotangent."""
     spec = AttentionSpec(causal=causal, scale=options["scale"], logit_soft_cap=options["logit_soft_cap"],
-                         deterministic=xla_gpu_deterministic_ops(), return_lse=True)
+                         deterministic=xla_gpu_deterministic_ops(), return_lse=True, lse_gradient=lse_gradient)
     return _Local(spec, backend, ManualAxes((axis_name,)))
 
 
@@ -368,7 +372,7 @@ def ring_attention(
     if segment_ids is not None:
         q_seg, kv_seg = (jnp.asarray(s, jnp.int32) for s in segment_ids)
     window = None if window is None else tuple(window)
-    local = _local(bool(causal), options, backend, axis_name)
+    local = _local(bool(causal), options, backend, axis_name, lse_gradient=bool(return_lse))
     ring = _Ring(axis_name, n, layout, bool(causal), window, local)
     out, lse = _ring(ring, q, k, v, q_seg, kv_seg)
     return (out, lse) if return_lse else out

@@ -77,9 +77,10 @@ def test_ring_equals_attention_on_the_gathered_sequence(causal, layout):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU kernels as the ring's local attention (interpreted on CPU elsewhere)")
-@pytest.mark.parametrize("backend", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("backend", ["triton", "pallas_gpu", "cudnn"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_with_the_gpu_kernels(backend, layout):
+    # cudnn: named explicitly, a refusal would raise (no fallback), so its raw kernels ran.
     # bf16: what the Mosaic GPU kernels take (and what the ring carries in training).
     _check(min(4, len(jax.devices())), B=1, T=1024, N=4, K=2, H=64, layout=layout, causal=True, seed=5,
            backend=backend, tol=2e-2, dtype=jnp.bfloat16)

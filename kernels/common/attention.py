@@ -94,6 +94,9 @@ class AttentionSpec:
     dropout_rate: float = 0.0
     deterministic: bool = False  # the backward must be bitwise reproducible (no float atomics)
     return_lse: bool = False  # the caller uses lse (and may differentiate through it)
+    # With return_lse: False where the caller knows lse's cotangent is zero (ring attention when
+    # its own caller takes no lse), so a backward that cannot take one (cuDNN's) may serve.
+    lse_gradient: bool = True
 
     @property
     def right(self) -> int | None:

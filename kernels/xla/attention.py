@@ -9,6 +9,8 @@ Both implement the contract in `forgeax.kernels.common.attention` (math, masks, 
   head; runs on any device and is the fallback for long sequences.
 * `cudnn`: XLA's cuDNN fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`),
   only for the calls where its semantics are the contract's (see `_cudnn_supports`); GPU only.
+  Its raw kernels (`CUDNN_KERNELS`: the forward with its softmax statistics, the backward given
+  any out and lse) serve ring attention, where lse must come out but takes no cotangent.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+# cuDNN's fused attention primitives (jax 0.11.2, pinned): the public jax.nn path returns lse
+# cast to the output's dtype and its backward recomputes nothing from a given lse.
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
 
 from forgeax.kernels.common.attention import (
     AttentionKernels,
@@ -220,13 +225,50 @@ ATTENTION_CHUNKED = Implementation(fn=chunked, platforms=("cpu", "gpu", "tpu"), 
 
 
 def cudnn(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):
-    """cuDNN's flash attention through XLA; returns (out, None): lse is refused (see below)."""
+    """cuDNN's flash attention through XLA: (out, lse [B, N, T] f32 with return_lse, else None)."""
+    if spec.return_lse:  # only with no lse cotangent (_cudnn_supports), which jax's cuDNN rule drops
+        return cudnn_forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, spec=spec)
     del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed  # refused by _cudnn_supports
     window = None if spec.window_left is None else (spec.window_left, 0)
     out = jax.nn.dot_product_attention(
         q, k, v, scale=spec.scale, is_causal=spec.causal, local_window_size=window, implementation="cudnn",
     )
     return out, None
+
+
+def _cudnn_statics(spec: AttentionSpec) -> dict:
+    """The static arguments of cuDNN's primitives for a call `_cudnn_supports` accepted: causal, or
+    causal with a left window (cuDNN's sliding window counts the query itself), or unmasked."""
+    window = None if spec.window_left is None else spec.window_left + 1
+    mask_type = cudnn_sdpa.MaskType.CAUSAL if spec.causal else cudnn_sdpa.MaskType.NO_MASK
+    return {"mask_type": mask_type, "sliding_window_length": window}
+
+
+def cudnn_forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):
+    """(out [B, T, N, Hv] in q's dtype, lse [B, N, T] f32): cuDNN's forward and its softmax statistics,
+    the natural-log sum of exp(scale * q.k) per query."""
+    del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed  # refused by _cudnn_supports
+    statics = _cudnn_statics(spec)
+    return cudnn_sdpa.dot_product_attention(q, k, v, scale=spec.scale, return_residual=True, **statics)
+
+
+def cudnn_backward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, out, lse, d_out, d_lse, *,
+                   spec: AttentionSpec):
+    """(dq, dk, dv, None) of this call given ANY out and lse [B, N, T] (the ring gives the global ones):
+    cuDNN recomputes p = exp(scale * q.k - lse) and rowsum(d_out * out) from them. It cannot take
+    lse's cotangent: `_cudnn_supports` accepts return_lse only with spec.lse_gradient False."""
+    del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, d_lse
+    statics = _cudnn_statics(spec)
+    unused = jnp.zeros(0, q.dtype)  # bias, sequence lengths, offsets and page tables: none
+    residuals = (q, k, v) + (unused,) * 7 + (lse, out)
+    dq, dk, dv = cudnn_sdpa._dot_product_attention_bwd_rule(
+        spec.scale, 0, 0.0, (False, False), statics["mask_type"], cudnn_sdpa.AttentionLayout.BTNH.value,
+        statics["sliding_window_length"], True, False, residuals, d_out)[:3]
+    return dq, dk, dv, None
+
+
+# Windows inside a ring become shifted windows or masks, neither of which cuDNN takes: gathered.
+CUDNN_KERNELS = AttentionKernels(forward=cudnn_forward, backward=cudnn_backward, ring="no_window")
 
 
 def _cudnn_supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec) -> str | None:
@@ -242,8 +284,8 @@ def _cudnn_supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_
         return "dropout: cuDNN's RNG is not the contract's hash"
     if spec.logit_soft_cap is not None:
         return "logit soft cap: not in cuDNN"
-    if spec.return_lse:
-        return "return_lse: jax's cuDNN path drops the lse cotangent"
+    if spec.return_lse and spec.lse_gradient:
+        return "return_lse: cuDNN's backward takes no lse cotangent"
     if spec.deterministic and not xla_gpu_deterministic_ops():
         return "deterministic: cuDNN's backward adds dq with atomics unless XLA_FLAGS has --xla_gpu_deterministic_ops"
     if not spec.causal and (spec.window_left is not None or spec.window_right is not None):
@@ -263,4 +305,5 @@ def _cudnn_supports(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_
     return None
 
 
-ATTENTION_CUDNN = Implementation(fn=cudnn, platforms=("gpu",), supports=_cudnn_supports)
+ATTENTION_CUDNN = Implementation(fn=cudnn, platforms=("gpu",), supports=_cudnn_supports,
+                                 kernels=lambda config: CUDNN_KERNELS)
