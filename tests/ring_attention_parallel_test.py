@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import forgeax
 from forgeax import ops
 
 ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
@@ -84,6 +85,20 @@ def test_ring_with_the_gpu_kernels(backend, layout):
     # bf16: what the Mosaic GPU kernels take (and what the ring carries in training).
     _check(min(4, len(jax.devices())), B=1, T=1024, N=4, K=2, H=64, layout=layout, causal=True, seed=5,
            backend=backend, tol=2e-2, dtype=jnp.bfloat16)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the selection's GPU choices per block")
+def test_ring_with_the_default_selection_per_block():
+    # Causal MHA at head_dim 128: the selection may run a block's forward on one backend (a
+    # forward-only rule) and its backward on another (the backward takes any out and lse).
+    n = min(4, len(jax.devices()))
+    _check(n, B=1, T=1024, N=2, K=2, H=128, layout="zigzag", causal=True, seed=9, backend=None, tol=2e-2,
+           dtype=jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    report = forgeax.explain(jax.grad(lambda q, k, v: _ring_loss(_mesh(n), "zigzag", False, None, causal=True)(
+        q, k, v, jnp.zeros((1, 1024, 2, 128), jnp.float32))[1], argnums=(0, 1, 2)), q, q, q)
+    ran = ({d.backend for d in report.decisions} | {d.gradient_backend for d in report.decisions}) - {None}
+    assert ran and ran <= {"cudnn", "pallas_gpu", "triton"}, report
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
