@@ -1220,14 +1220,18 @@ def test_cudnn_backend_refuses_what_it_would_compute_differently():
         assert why(causal=True, return_lse=True, lse_gradient=False) is None
 
 
-@pytest.mark.skipif(ON_CPU, reason="cuDNN runs on GPUs only")
+@pytest.mark.parametrize("backend", ["xla_chunked", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cudnn_raw_kernels_give_lse_and_take_any_statistics(causal):
-    """CUDNN_KERNELS (what ring attention runs per block): the forward's lse is the reference's,
-    and the backward given the out and lse of a LONGER key sequence is the gradient share of the
-    keys it sees (p = exp(z - lse) with the whole sequence's lse), as the ring needs."""
+def test_raw_kernels_give_lse_and_take_any_statistics(backend, causal):
+    """A backend's raw kernels (what ring attention runs per block): the forward's lse is the
+    reference's, and the backward given the out and lse of a LONGER key sequence is the gradient
+    share of the keys it sees (p = exp(z - lse) with the whole sequence's lse), as the ring needs."""
     from forgeax.kernels.common.attention import AttentionSpec
-    from forgeax.kernels.xla.attention import CUDNN_KERNELS
+    from forgeax.ops.attention import ATTENTION
+
+    if backend == "cudnn" and ON_CPU:
+        pytest.skip("cuDNN runs on GPUs only")
+    kernels = ATTENTION.implementation(backend).kernels(None)
 
     B, T, N, K, H = 1, 256, 4, 2, 128
     rng = _rng(11)
@@ -1238,26 +1242,26 @@ def test_cudnn_raw_kernels_give_lse_and_take_any_statistics(causal):
     spec = AttentionSpec(causal=False, scale=H ** -0.5, return_lse=True, lse_gradient=False)
     block_spec = dataclasses.replace(spec, causal=causal)
     if causal:  # the queries see every key of the first block and the second causally (T == S per block)
-        mask = jnp.concatenate([jnp.ones((T, T), bool), jnp.tril(jnp.ones((T, T), bool))], axis=1)
+        mask = jnp.concatenate([jnp.ones((T, T), bool), jnp.tril(jnp.ones((T, T), bool))], axis=1)[None, None]
     else:
-        mask = jnp.ones((T, 2 * T), bool)
+        mask = jnp.ones((1, 1, T, 2 * T), bool)
     whole = lambda q, k, v: ops.attention(q, k, v, mask=mask, return_lse=True, backend="xla")  # noqa: E731
     (out, lse), pull = jax.vjp(whole, q, k, v)
     dq, dk, dv = pull((d_out, jnp.zeros_like(lse)))
 
-    block_out, block_lse = CUDNN_KERNELS.forward(q, k[:, T:], v[:, T:], None, None, None, None, None, spec=block_spec)
+    block_out, block_lse = kernels.forward(q, k[:, T:], v[:, T:], None, None, None, None, None, spec=block_spec)
     ref_out, ref_lse = ops.attention(q, k[:, T:], v[:, T:], causal=causal, return_lse=True, backend="xla")
     np.testing.assert_allclose(np.float32(block_out), np.float32(ref_out), atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(np.swapaxes(block_lse, 1, 2), ref_lse, atol=1e-3, rtol=1e-3)
 
     lse_bnt = jnp.swapaxes(lse, 1, 2)
-    parts = [CUDNN_KERNELS.backward(q, k[:, :T], v[:, :T], None, None, None, None, None, out, lse_bnt, d_out,
+    parts = [kernels.backward(q, k[:, :T], v[:, :T], None, None, None, None, None, out, lse_bnt, d_out,
                                     jnp.zeros_like(lse_bnt), spec=spec),
-             CUDNN_KERNELS.backward(q, k[:, T:], v[:, T:], None, None, None, None, None, out, lse_bnt, d_out,
+             kernels.backward(q, k[:, T:], v[:, T:], None, None, None, None, None, out, lse_bnt, d_out,
                                     jnp.zeros_like(lse_bnt), spec=block_spec)]
     got_dq = np.float32(parts[0][0]) + np.float32(parts[1][0])
     got_dk = np.concatenate([np.float32(parts[0][1]), np.float32(parts[1][1])], axis=1)
     got_dv = np.concatenate([np.float32(parts[0][2]), np.float32(parts[1][2])], axis=1)
     for got, want, name in ((got_dq, dq, "dq"), (got_dk, dk, "dk"), (got_dv, dv, "dv")):
         scale = float(np.max(np.abs(np.float32(want))))
-        np.testing.assert_allclose(got, np.float32(want), atol=3e-2 * scale, rtol=3e-2, err_msg=name)
+        np.testing.assert_allclose(got, np.float32(want), atol=1.5e-2 * scale, rtol=1.5e-2, err_msg=name)
