@@ -312,3 +312,48 @@ def test_a_tuning_from_bench_results_orders_backends_by_time_for_the_calls_signa
         ("fwd", "triton", 1e-4), ("fwd", "xla", 2e-4), ("fwd+bwd", "triton", 7e-4), ("fwd+bwd", "xla", 5e-4)]
     by_mode = {t: [e.backend for e in entries if e.timed == t] for t in ("fwd", "fwd+bwd")}
     assert by_mode == {"fwd": ["triton", "xla"], "fwd+bwd": ["xla", "triton"]}  # each mode's order, fastest first
+
+
+def _top_level_field_names(text: str, start: int) -> list[str]:
+    """The `name=` names of the dataclass repr whose fields begin at text[start] (nested values skipped)."""
+    names, token, depth, in_name = [], "", 0, True
+    for c in text[start:]:
+        if depth == 0 and c == ")":
+            break
+        depth += c in "(["
+        depth -= c in ")]"
+        if depth == 0 and in_name and c == "=":
+            names.append(token)
+            token, in_name = "", False
+        elif depth == 0 and in_name:
+            token += c
+        elif depth == 0 and c == ",":
+            in_name = True
+    return names
+
+
+def test_shipped_tuning_keys_spell_the_current_specs():
+    """A spec dataclass that gains or loses a field changes every call key that embeds it: the
+    shipped entries must be rewritten with it, or they silently stop matching any call."""
+    import dataclasses
+    import importlib
+    import pkgutil
+    import re
+
+    import forgeax.kernels.common as common
+
+    classes = {}
+    for module in pkgutil.iter_modules(common.__path__):
+        for name, obj in vars(importlib.import_module(f"forgeax.kernels.common.{module.name}")).items():
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+                classes[name] = obj
+    checked = 0
+    for entry in tuning.shipped().entries:
+        for found in re.finditer(r"([A-Z][A-Za-z0-9]*)\(", entry.key):
+            cls = classes.get(found.group(1))
+            if cls is None:
+                continue
+            names = _top_level_field_names(entry.key, found.end())
+            assert names == [f.name for f in dataclasses.fields(cls)], (entry.op, cls.__name__, names)
+            checked += 1
+    assert checked or not tuning.shipped().entries
