@@ -2,7 +2,7 @@
 
 Before the rules became data, `ops/attention.py` chose backends with two functions,
 `_inference_order` and `_training_order` (if-trees, identical on every GPU). They are kept
-below, verbatim in logic, as the oracle: over a grid of calls on an H100 and an H200 the rules
+below, verbatim in logic but for rules added since (marked), as the oracle: over a grid of calls on an H100 and an H200 the rules
 must give the same ordered candidate lists (the dispatcher then walks one list with the same
 `supports(...)` checks, so equal lists mean equal choices). On a device no rule names, the rules
 give the plain priority.
@@ -53,7 +53,7 @@ def _legacy_training_order(platform, args, kwargs):
         return ()
     if q.shape[3] in (64, 96, 192):
         return ("pallas_gpu",)
-    if q.shape[3] == 128 and q.shape[-2] > k.shape[-2]:
+    if q.shape[3] == 128:  # GQA (first rule) and, since 2026-11-27, MHA (causal-mha-head-dim-128)
         whole = lambda n: -(-n // 128) * 128  # noqa: E731
         nbytes = math.prod(q.shape[:-3]) * q.shape[-2] * whole(q.shape[-3]) * whole(k.shape[-3]) * 2
         if nbytes <= _GQA_MAX_SCORES_BYTES:

@@ -943,8 +943,11 @@ def test_training_order_rule():
     assert order(64, T=1001, causal=True) == ()  # copied padded: cuDNN first
     assert order(64, T=120, causal=True) == ()
     assert order(64, platform="tpu", causal=True) == ()
-    assert order(128, causal=True) == ()
-    # head_dim 128 under GQA up to Llama-3-8B's T8192 (where it was measured faster)
+    # head_dim 128, MHA or GQA, up to 4 GiB of 16-bit scores (B4 T4096 N32; Llama-3-8B's T8192 under
+    # GQA), where pallas_gpu was measured faster fwd+bwd; past it (the ring's 32k blocks) cuDNN
+    assert order(128, causal=True) == ("pallas_gpu",)
+    assert order(128, T=4096, B=4, N=32, K=32, causal=True) == ("pallas_gpu",)
+    assert order(128, T=8192, B=2, N=32, K=32, causal=True) == ()
     assert order(128, causal=True, K=1) == ("pallas_gpu",)
     assert order(128, T=8192, N=32, K=8, causal=True) == ("pallas_gpu",)
     assert order(128, T=8192, B=2, N=32, K=8, causal=True) == ()
