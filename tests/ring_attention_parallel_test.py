@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import forgeax
+from forgeax import core as interface
 from forgeax import ops
 
 ON_GPU = parallel_env.skip_unless_devices(cpu=8, gpu=2)
@@ -89,16 +90,21 @@ def test_ring_with_the_gpu_kernels(backend, layout):
 
 @pytest.mark.skipif(not ON_GPU, reason="the selection's GPU choices per block")
 def test_ring_with_the_default_selection_per_block():
-    # Causal MHA at head_dim 128: the selection may run a block's forward on one backend (a
-    # forward-only rule) and its backward on another (the backward takes any out and lse).
+    # Causal GQA at head_dim 256 on a Hopper GPU: the diagonal block's forward runs pallas_gpu (rule
+    # forward-gqa) and its backward cuDNN (the training priority), the unmasked blocks cuDNN: the
+    # backward takes the out and lse another backend's forward made.
     n = min(4, len(jax.devices()))
-    _check(n, B=1, T=1024, N=2, K=2, H=128, layout="zigzag", causal=True, seed=9, backend=None, tol=2e-2,
+    B, T, N, K, H = 1, 1024, 4, 2, 256
+    _check(n, B=B, T=T, N=N, K=K, H=H, layout="zigzag", causal=True, seed=9, backend=None, tol=2e-2,
            dtype=jnp.bfloat16)
-    q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
-    report = forgeax.explain(jax.grad(lambda q, k, v: _ring_loss(_mesh(n), "zigzag", False, None, causal=True)(
-        q, k, v, jnp.zeros((1, 1024, 2, 128), jnp.float32))[1], argnums=(0, 1, 2)), q, q, q)
+    q, kv = (jax.ShapeDtypeStruct((B, T, heads, H), jnp.bfloat16) for heads in (N, K))
+    loss = _ring_loss(_mesh(n), "zigzag", False, None, causal=True)
+    report = forgeax.explain(jax.grad(lambda q, k, v: loss(q, k, v, jnp.zeros((B, T, N, H), jnp.float32))[1],
+                                      argnums=(0, 1, 2)), q, kv, kv)
     ran = ({d.backend for d in report.decisions} | {d.gradient_backend for d in report.decisions}) - {None}
     assert ran and ran <= {"cudnn", "pallas_gpu", "triton"}, report
+    if interface.current_compute_capability().startswith("9."):  # the rules are measured on Hopper
+        assert any(d.gradient_backend not in (None, d.backend) for d in report.decisions), report
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
