@@ -122,9 +122,10 @@ class _Local:
     """How the ring attends one query block to one key block. With the raw kernels of the
     backend chosen for the block (`Implementation.kernels`), the backward is the kernel's
     backward given the GLOBAL out and lse: p = exp(z - lse) is then the global probability, so
-    the block's dq, dk, dv are its exact share and no block forward is recomputed. Otherwise (a backend without them, e.g. the XLA reference)
-    `ops.attention`, whose block gradient re-runs the block's forward under `jax.vjp` and weighs
-    its cotangents by w = exp(lse_b - lse): d out_b = w d out, d lse_b = w (<d out, out_b - out> + d lse)."""
+    the block's dq, dk, dv are its exact share and no block forward is recomputed. Otherwise (a
+    backend without them, e.g. the XLA reference) `ops.attention`, whose block gradient re-runs
+    the block's forward under `jax.vjp` and weighs its cotangents by w = exp(lse_b - lse):
+    d out_b = w d out, d lse_b = w (<d out, out_b - out> + d lse)."""
 
     def __init__(self, spec: AttentionSpec, backend, axes: ManualAxes):
         self.spec, self.backend, self.axes = spec, backend, axes

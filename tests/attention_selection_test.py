@@ -2,8 +2,9 @@
 
 Before the rules became data, `ops/attention.py` chose backends with two functions,
 `_inference_order` and `_training_order` (if-trees, identical on every GPU). They are kept
-below, verbatim in logic but for rules added since (marked), as the oracle: over a grid of calls on an H100 and an H200 the rules
-must give the same ordered candidate lists (the dispatcher then walks one list with the same
+below, verbatim in logic but for rules added since (marked), as the oracle: over a grid of
+calls on an H100 and an H200 the rules must give the same ordered candidate lists (the
+dispatcher then walks one list with the same
 `supports(...)` checks, so equal lists mean equal choices). On a device no rule names, the rules
 give the plain priority.
 """

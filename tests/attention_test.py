@@ -1259,10 +1259,9 @@ def test_raw_kernels_give_lse_and_take_any_statistics(backend, causal):
     np.testing.assert_allclose(np.swapaxes(block_lse, 1, 2), ref_lse, atol=1e-3, rtol=1e-3)
 
     lse_bnt = jnp.swapaxes(lse, 1, 2)
-    parts = [kernels.backward(q, k[:, :T], v[:, :T], None, None, None, None, None, out, lse_bnt, d_out,
-                                    jnp.zeros_like(lse_bnt), spec=spec),
-             kernels.backward(q, k[:, T:], v[:, T:], None, None, None, None, None, out, lse_bnt, d_out,
-                                    jnp.zeros_like(lse_bnt), spec=block_spec)]
+    parts = [kernels.backward(q, k[:, keys], v[:, keys], None, None, None, None, None, out, lse_bnt, d_out,
+                              jnp.zeros_like(lse_bnt), spec=keys_spec)
+             for keys, keys_spec in ((slice(0, T), spec), (slice(T, 2 * T), block_spec))]
     got_dq = np.float32(parts[0][0]) + np.float32(parts[1][0])
     got_dk = np.concatenate([np.float32(parts[0][1]), np.float32(parts[1][1])], axis=1)
     got_dv = np.concatenate([np.float32(parts[0][2]), np.float32(parts[1][2])], axis=1)

@@ -246,7 +246,7 @@ def _cudnn_statics(spec: AttentionSpec) -> dict:
 
 def cudnn_forward(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *, spec: AttentionSpec):
     """(out [B, T, N, Hv] in q's dtype, lse [B, N, T] f32): cuDNN's forward and its softmax statistics,
-    the natural-log sum of exp(scale * q.k) per query."""
+    log(sum_s exp(scale * q.k_s)) per query (natural log)."""
     del bias, mask, q_segment_ids, kv_segment_ids, dropout_seed  # refused by _cudnn_supports
     statics = _cudnn_statics(spec)
     return cudnn_sdpa.dot_product_attention(q, k, v, scale=spec.scale, return_residual=True, **statics)
