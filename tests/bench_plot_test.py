@@ -89,3 +89,23 @@ def test_accelerator_runs_time_the_model_shapes_and_cpu_runs_the_small_ones():
     assert gpu and cpu and not any(s.small for s in gpu) and all(s.small for s in cpu)
     assert len(gpu) + len(cpu) == len(spec.shapes)
     assert [s.name for s in bench_specs.default_shapes(spec, "gpu", ["small f32"])] == ["small f32"]
+
+
+def test_selection_check_marks_a_default_that_runs_the_fastest_program():
+    import bench  # noqa: PLC0415 - tools/ is on sys.path above
+
+    def row(backend, rounds):
+        return bench.Timing("attention", "s", (1,), "bfloat16", "fwd+bwd", backend, sorted(rounds)[len(rounds) // 2],
+                            (min(rounds), max(rounds)), 1.0, 1.0, 1.0, 1.0, None, rounds_ms=tuple(rounds))
+
+    results = [row("default", [3.2, 3.5, 3.4]), row("pallas_gpu", [3.2, 3.3, 3.25]), row("cudnn", [4.0, 4.1, 4.2])]
+    same = {("attention", "s", "fwd+bwd", "default"): ["attention: pallas_gpu Config(a=1) [heuristic]"],
+            ("attention", "s", "fwd+bwd", "pallas_gpu"): ["attention: pallas_gpu Config(a=1) [tuned data]"]}
+    (check,) = bench.selection_check(results, same)
+    assert check["fastest"] == "pallas_gpu" and check["default_over_fastest"] == pytest.approx(3.4 / 3.25)
+    assert check["default_over_fastest_rounds"] == pytest.approx(3.4 / 3.25)  # rounds 1.0, 1.061, 1.046
+    assert check["same_program_as_fastest"] is True
+    other = dict(same)
+    other[("attention", "s", "fwd+bwd", "default")] = ["attention: pallas_gpu Config(a=2) [heuristic]"]
+    assert bench.selection_check(results, other)[0]["same_program_as_fastest"] is False
+    assert bench.selection_check(results)[0]["same_program_as_fastest"] is None  # nothing explained: unknown

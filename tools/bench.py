@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import platform as host_platform
+import re
 import statistics
 import sys
 import time
@@ -147,13 +148,17 @@ def lower_and_compile(fn: Any, inputs: Sequence[Any]) -> tuple[float | None, flo
         return seconds, None
 
 
-def selection_check(results: list[Timing]) -> list[dict[str, Any]]:
+def selection_check(results: list[Timing], runs: dict[tuple[str, str, str, str], list[str]] | None = None) -> list[dict[str, Any]]:
     """Per op, shape and mode: the default selection's time against the fastest backend timed in
     the same rounds (anchors and option variants such as 'pallas_gpu:deterministic=True' are not
-    candidates the selection could pick, so they are left out)."""
+    candidates the selection could pick, so they are left out), also as the median of per-round
+    ratios. `same_program_as_fastest`: the default runs exactly the fastest row's backends and
+    configs (`runs`, what `explain` reports, without where each config came from), so any gap
+    between the two rows is run-to-run noise of one program, not a choice."""
     groups: dict[tuple[str, str, str], list[Timing]] = {}
     for t in results:
         groups.setdefault((t.op, t.shape, t.mode), []).append(t)
+    runs = runs or {}
     rows = []
     for (op, shape, mode), timings in groups.items():
         default = next((t for t in timings if t.backend == "default"), None)
@@ -161,9 +166,21 @@ def selection_check(results: list[Timing]) -> list[dict[str, Any]]:
         if default is None or not named:
             continue
         fastest = min(named, key=lambda t: t.median_ms)
+        program = [_program(runs.get((op, shape, mode, name))) for name in ("default", fastest.backend)]
         rows.append({"op": op, "shape": shape, "mode": mode, "default_ms": default.median_ms, "fastest": fastest.backend,
-                     "fastest_ms": fastest.median_ms, "default_over_fastest": default.median_ms / fastest.median_ms})
+                     "fastest_ms": fastest.median_ms, "default_over_fastest": default.median_ms / fastest.median_ms,
+                     "default_over_fastest_rounds": statistics.median(a / b for a, b in zip(default.rounds_ms, fastest.rounds_ms))
+                     if default.rounds_ms else None,
+                     "same_program_as_fastest": None if None in program else program[0] == program[1]})
     return rows
+
+
+def _program(decisions: list[str] | None) -> tuple[str, ...] | None:
+    """`explained` lines without the '[source]' labels (heuristic, tuned file, ...): two calls
+    with equal programs run the same kernels with the same configs."""
+    if not decisions or any(d.startswith("explain failed") for d in decisions):
+        return None
+    return tuple(re.sub(r" \[[^\]]*\]", "", d) for d in decisions)
 
 
 def selectable(backend: str) -> bool:
@@ -198,7 +215,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
           + (f"copy ceiling {ceiling / 1e9:.0f} GB/s" if ceiling else "no copy ceiling on the CPU, so no fraction of the floor"),
           flush=True)
     results: list[Timing] = []
-    chosen: dict[tuple[str, str, str], list[str]] = {}
+    chosen: dict[tuple[str, str, str, str], list[str]] = {}
     pool = concurrent.futures.ThreadPoolExecutor(max(1, args.compile_workers))
     for op_name in args.op:
         spec = bench_specs.SPECS[op_name]
@@ -240,8 +257,8 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
                         compile_s, temp = result
                         time_call(built[name], inputs, calls=1, reps=1)  # warm up (jit reuses the compile above)
                         fns[name] = (built[name], temp, compile_s)
-                        if name == "default":
-                            chosen[(op_name, shape.name, mode)] = decisions(built[name], inputs)
+                        if name == "default" or selectable(name):
+                            chosen[(op_name, shape.name, mode, name)] = decisions(built[name], inputs)
                     except Exception as e:  # noqa: BLE001 - report and go on with the other backends
                         _report_failure(op_name, shape.name, mode, name, e)
                 rounds = interleaved({name: (fn, inputs) for name, (fn, _, _) in fns.items()},
@@ -276,11 +293,11 @@ def _report_failure(op_name: str, shape: str, mode: str, name: str, error: Excep
 
 
 def _report(results: list[Timing], ceiling: float | None, device: Any, platform: str, args: argparse.Namespace,
-            chosen: dict[tuple[str, str, str], list[str]]) -> dict[str, Any]:
+            chosen: dict[tuple[str, str, str, str], list[str]]) -> dict[str, Any]:
     results, floor_note = checked_fractions(results, ceiling)
-    selection = selection_check(results)
+    selection = selection_check(results, chosen)
     for row in selection:
-        row["default_runs"] = chosen.get((row["op"], row["shape"], row["mode"]), [])
+        row["default_runs"] = chosen.get((row["op"], row["shape"], row["mode"], "default"), [])
     return {
         "device": device.device_kind,
         "platform": platform,
@@ -354,8 +371,9 @@ def print_selection(report: dict[str, Any]) -> None:
     """The default selection against the fastest backend, one line per op, shape and mode."""
     for row in report.get("selection", []):
         print(f"selection {row['op']} {row['shape']} {row['mode']}: default {row['default_ms']:.4f} ms, fastest "
-              f"{row['fastest']} {row['fastest_ms']:.4f} ms, default/fastest {row['default_over_fastest']:.3f} "
-              f"({'; '.join(row['default_runs'])})")
+              f"{row['fastest']} {row['fastest_ms']:.4f} ms, default/fastest {row['default_over_fastest']:.3f}"
+              + (" (the same program)" if row.get("same_program_as_fastest") else "")
+              + f" ({'; '.join(row['default_runs'])})")
 
 
 def result_name(report: dict[str, Any], ops: Sequence[str]) -> str:
