@@ -11,6 +11,7 @@ kernels lower to these custom calls:
 
     exported = forgeax.export.export(jax.jit(loss), platforms=("cuda",))(params, batch)
     blob = exported.serialize()                     # bytes
+    forgeax.export.load_runtimes()                  # in a new process, before the first call
     jax.export.deserialize(blob).call(params, batch)
 
 or pass `disabled_checks=forgeax.export.disabled_checks()` to `jax.export.export` yourself.
@@ -36,7 +37,7 @@ import jax
 from forgeax.core import runtime
 from forgeax.core.runtime import interpret_mode
 
-__all__ = ["CUSTOM_CALL_TARGETS", "cached", "disabled_checks", "export"]
+__all__ = ["CUSTOM_CALL_TARGETS", "cached", "disabled_checks", "export", "load_runtimes"]
 
 # Every custom-call target a forgeax kernel emits (tests/export_test.py checks that lowering
 # forgeax's kernels produces no other unstable target).
@@ -54,6 +55,30 @@ CUSTOM_CALL_TARGETS: tuple[str, ...] = (
 def disabled_checks() -> list[jax.export.DisabledSafetyCheck]:
     """`jax.export` safety checks to disable so that forgeax's custom calls may be serialised."""
     return [jax.export.DisabledSafetyCheck.custom_call(t) for t in CUSTOM_CALL_TARGETS]
+
+
+def load_runtimes() -> None:
+    """Makes a deserialised program's Mosaic GPU kernels runnable in this process.
+
+    Their custom call finds its host runtime (libmosaic_gpu_runtime.so) through the environment
+    variable MOSAIC_GPU_RUNTIME_LIB_PATH, which JAX sets when `jax.experimental.mosaic.gpu` is
+    imported: tracing a Pallas GPU kernel imports it, deserialising and running a program does
+    not, and the first call then fails with "Symbols not found: mosaic_gpu_launch_kernel". This
+    sets the variable from jaxlib's CUDA plugin (a no-op without one). `cached` calls it."""
+    if os.environ.get("MOSAIC_GPU_RUNTIME_LIB_PATH"):
+        return
+    try:
+        from jax._src.lib import mosaic_gpu  # noqa: PLC0415 - the library's location only (ms), not the MLIR stack
+        path = os.path.join(os.path.dirname(mosaic_gpu._mosaic_gpu_ext.__file__), "libmosaic_gpu_runtime.so")
+    except (ImportError, AttributeError):
+        path = None
+    if path and os.path.exists(path):
+        os.environ["MOSAIC_GPU_RUNTIME_LIB_PATH"] = path
+        return
+    try:
+        import jax.experimental.mosaic.gpu  # noqa: F401,PLC0415 - sets the variable itself where it can
+    except ImportError:
+        pass
 
 
 def export(fn: Callable[..., Any], *, platforms: Sequence[str] | None = None,
@@ -124,6 +149,7 @@ def cached(fn: Callable[..., Any], *, key: str, directory: str | None = None) ->
                 try:
                     with open(path, "rb") as f:
                         exported = jax.export.deserialize(bytearray(f.read()))
+                    load_runtimes()
                 except (OSError, ValueError):
                     exported = export(jitted)(*args, **kwargs)
                     os.makedirs(folder, exist_ok=True)

@@ -153,3 +153,21 @@ def test_vmapped_triton_kernel_lowers_to_one_launch_for_cuda():
     x = jax.ShapeDtypeStruct((3, 4, 1000), jnp.float32)
     text = forgeax.export.export(jax.jit(fn), platforms=("cuda",))(x).mlir_module()
     assert text.count("stablehlo.custom_call @triton_kernel_call") == 1, text[:3000]
+
+
+def test_load_runtimes_points_mosaic_gpu_kernels_at_the_runtime_jax_would():
+    """A fresh process that only deserialises a program must find the Mosaic GPU runtime where
+    importing jax.experimental.mosaic.gpu (what tracing a kernel does) would point it."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    pytest.importorskip("jax.experimental.mosaic.gpu")
+    body = ("import os, forgeax.export; forgeax.export.load_runtimes(); a = os.environ.get('MOSAIC_GPU_RUNTIME_LIB_PATH'); "
+            "import jax.experimental.mosaic.gpu; print(repr(a)); print(repr(os.environ.get('MOSAIC_GPU_RUNTIME_LIB_PATH')))")
+    env = {k: v for k, v in os.environ.items() if k != "MOSAIC_GPU_RUNTIME_LIB_PATH"}
+    done = subprocess.run([sys.executable, "-c", body], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours, jaxs = done.stdout.split()[-2:]
+    if jaxs == "None":
+        pytest.skip("this jaxlib has no Mosaic GPU runtime library")
+    assert ours == jaxs and os.path.exists(eval(ours))  # noqa: S307 - a repr printed just above
