@@ -28,3 +28,12 @@ def test_2x4_sharded_run_equals_unsharded(tmp_path):
 def test_mesh_larger_than_the_devices_fails_clearly(tmp_path):
     with pytest.raises(SystemExit, match="--mesh"):
         train.run(ARGS + ["--out", str(tmp_path), "--mesh", f"{jax.device_count()}x2"])
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+def test_benchmark_counts_every_device_of_the_mesh_in_mfu(tmp_path):
+    args = ARGS + ["--out", str(tmp_path), "--benchmark-steps", "1", "--peak-tflops", "1"]
+    one, mesh = train.run(args), train.run(args + ["--mesh", "2x4"])
+    assert one["devices"] == 1 and mesh["devices"] == 8
+    for r in (one, mesh):  # MFU = model FLOP/s over the peak of every device the step ran on
+        assert r["mfu"] == pytest.approx(6 * r["params"] * r["tokens_per_second"] / (1e12 * r["devices"]))

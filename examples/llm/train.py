@@ -300,16 +300,20 @@ def benchmark(args, cfg, settings, backends, state, step_fn, corpus, put, log) -
     seconds = (time.perf_counter() - t0) / args.benchmark_steps
     tps = args.batch * cfg.seq_len / seconds
     kind = jax.devices()[0].device_kind
+    # The step runs on every device the parameters live on (a --mesh): MFU is against all of them.
+    devices = len(jax.tree.leaves(params)[0].sharding.device_set)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+    peak = peak * devices if peak else None
     flops_per_token = 6 * cfg.num_params()
     palm_flops = 6 * (cfg.num_params() - cfg.vocab * cfg.d_model) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
     stats = jax.devices()[0].memory_stats() or {}
     result = {"device": kind, "preset": args.preset, "params": cfg.num_params(), "batch": args.batch, "seq_len": cfg.seq_len,
-              "dtype": cfg.dtype, "ops": settings, "backends": backends, "steps": args.benchmark_steps,
+              "dtype": cfg.dtype, "ops": settings, "backends": backends, "steps": args.benchmark_steps, "devices": devices,
               "step_seconds": seconds, "tokens_per_second": tps,
               "mfu": flops_per_token * tps / peak if peak else None, "peak_flops": peak,
               # PaLM's accounting: no embedding lookup, plus attention's score and value products.
               "mfu_palm": palm_flops * tps / peak if peak else None, "remat": cfg.remat,
+              # Of the first device (with a mesh, each device holds its shard).
               "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "loss": loss, "jax": jax.__version__}
     print(json.dumps(result))
     return result
