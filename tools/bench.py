@@ -167,10 +167,10 @@ def selection_check(results: list[Timing], runs: dict[tuple[str, str, str, str],
             continue
         fastest = min(named, key=lambda t: t.median_ms)
         program = [_program(runs.get((op, shape, mode, name))) for name in ("default", fastest.backend)]
+        paired = [a / b for a, b in zip(default.rounds_ms, fastest.rounds_ms)]
         rows.append({"op": op, "shape": shape, "mode": mode, "default_ms": default.median_ms, "fastest": fastest.backend,
                      "fastest_ms": fastest.median_ms, "default_over_fastest": default.median_ms / fastest.median_ms,
-                     "default_over_fastest_rounds": statistics.median(a / b for a, b in zip(default.rounds_ms, fastest.rounds_ms))
-                     if default.rounds_ms else None,
+                     "default_over_fastest_rounds": statistics.median(paired) if paired else None,
                      "same_program_as_fastest": None if None in program else program[0] == program[1]})
     return rows
 
