@@ -21,7 +21,7 @@ def test_2x4_sharded_run_equals_unsharded(tmp_path):
     assert "model" in mesh["sharding"]["wq"] and "model" in mesh["sharding"]["w_down"]
     np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=2e-5)
     np.testing.assert_allclose(mesh["eval"][-1]["loss"], one["eval"][-1]["loss"], rtol=2e-5)
-    a, b = mesh["final_params"]["layers"][0]["w_gate"], one["final_params"]["layers"][0]["w_gate"]
+    a, b = mesh["final_params"]["layers"]["w_gate"][0], one["final_params"]["layers"]["w_gate"][0]
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 

@@ -38,7 +38,8 @@ def test_short_run_loss_falls_and_writes_log_plot_samples_and_report(tmp_path):
     report = {r["op"]: r for r in rec["kernel_report"]}
     for op in ("norm", "residual_norm", "rope", "attention", "mlp", "loss", "train step"):
         assert op in report, report.keys()
-    assert report["attention"]["backend"] == "xla" and report["attention"]["calls"] >= 2  # fwd per layer
+    # The layers are one scan: attention is traced (and lowered) once, whatever the depth.
+    assert report["attention"]["backend"] == "xla" and report["attention"]["calls"] == 1
     assert report["train step"]["temp_bytes"] > 0
 
 

@@ -2,8 +2,12 @@
 
 Parameters are a pytree of float32 arrays (cast to the compute dtype in the forward):
 
-    embed [V, D]; per layer: attn_norm [D], wq [D, N*H], wk [D, K*H], wv [D, K*H], wo [N*H, D],
-    mlp_norm [D], w_gate [D, F], w_up [D, F], w_down [F, D]; final_norm [D]; unembed [D, V] unless tied.
+    embed [V, D]; "layers", each stacked over the L layers: attn_norm [L, D], wq [L, D, N*H],
+    wk [L, D, K*H], wv [L, D, K*H], wo [L, N*H, D], mlp_norm [L, D], w_gate [L, D, F], w_up [L, D, F],
+    w_down [L, F, D]; final_norm [D]; unembed [D, V] unless tied.
+
+The layers run as one `jax.lax.scan`, so each op is traced, lowered and (under a mesh) partitioned
+once, not once per layer: compile time does not grow with depth.
 
 Block (pre-norm, the residual add fused into the next norm by ops.add_rms_norm):
 
@@ -43,7 +47,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
         return jax.random.normal(next(keys), shape, jnp.float32) * (scale / math.sqrt(fan_in))
 
     out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual branches start small (GPT-2 style)
-    layers = [{
+    per_layer = [{
         "attn_norm": jnp.ones((d,), jnp.float32),
         "wq": dense((d, cfg.n_heads * h), d),
         "wk": dense((d, cfg.n_kv_heads * h), d),
@@ -54,6 +58,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
         "w_up": dense((d, f), d),
         "w_down": dense((f, d), f, out_scale),
     } for _ in range(cfg.n_layers)]
+    layers = {name: jnp.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
     params = {"embed": dense((cfg.vocab, d), d),
               "layers": layers, "final_norm": jnp.ones((d,), jnp.float32)}
     if not cfg.tie_embeddings:
@@ -63,12 +68,12 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
 
 def param_specs(params: dict) -> dict:
     """Megatron-style tensor parallelism: q/k/v and gate/up split by columns (heads, hidden units),
-    wo and w_down by rows, so each layer needs one all-reduce per sublayer; the rest replicated."""
-    column, row = P(None, "model"), P("model", None)
+    wo and w_down by rows, so each layer needs one all-reduce per sublayer; the rest replicated.
+    The layer axis (leading, stacked) is never split."""
+    column, row = P(None, None, "model"), P(None, "model", None)
     by_name = {"wq": column, "wk": column, "wv": column, "wo": row, "w_gate": column, "w_up": column, "w_down": row}
-    layers = [{name: by_name.get(name, P()) for name in layer} for layer in params["layers"]]
     specs = {name: P() for name in params if name != "layers"}
-    specs["layers"] = layers
+    specs["layers"] = {name: by_name.get(name, P()) for name in params["layers"]}
     return specs
 
 
@@ -118,24 +123,29 @@ def hidden(params: dict, tokens: jax.Array, cfg: ModelConfig, backends: Backends
     return decoder_layers(params["layers"], params["final_norm"], params["embed"].astype(dt)[tokens], cfg, backends)
 
 
-def decoder_layers(layers: list, final_norm: jax.Array, h: jax.Array, cfg: ModelConfig, backends: Backends) -> jax.Array:
-    """The decoder layers and the final norm over embedded inputs `h [B, T, D]` (compute dtype)."""
-    positions = jnp.arange(h.shape[1], dtype=jnp.int32)
+def decoder_layers(layers: dict, final_norm: jax.Array, h: jax.Array, cfg: ModelConfig, backends: Backends) -> jax.Array:
+    """The decoder layers (`layers`: each parameter stacked over the layers) and the final norm
+    over embedded inputs `h [B, T, D]` (compute dtype).
 
-    def block(layer, h, delta):
-        if delta is None:
-            n = _norm(h, layer["attn_norm"], cfg, backends)
-        else:
-            n, h = _add_norm(delta, h, layer["attn_norm"], cfg, backends)
+    One scan step is a layer from its normed input on: it carries (h, n), n = the layer's
+    attention input, and ends with the residual add fused into the *next* norm (the next layer's
+    attn_norm, or final_norm after the last layer), the same ops in the same order as the
+    layers written out one by one."""
+    positions = jnp.arange(h.shape[1], dtype=jnp.int32)
+    next_norms = jnp.concatenate([layers["attn_norm"][1:], final_norm[None]])
+
+    def layer_step(carry, xs):
+        h, n = carry
+        layer, next_norm = xs
         delta = _attention(n, layer, positions, cfg, backends)
         n, h = _add_norm(delta, h, layer["mlp_norm"], cfg, backends)
-        return h, _mlp(n, layer, backends)
+        delta = _mlp(n, layer, backends)
+        n, h = _add_norm(delta, h, next_norm, cfg, backends)
+        return (h, n), None
 
-    first, rest = block, jax.checkpoint(block) if cfg.remat else block
-    h, delta = first(layers[0], h, None)
-    for layer in layers[1:]:
-        h, delta = rest(layer, h, delta)
-    n, _ = _add_norm(delta, h, final_norm, cfg, backends)
+    step = jax.checkpoint(layer_step) if cfg.remat else layer_step
+    n = _norm(h, layers["attn_norm"][0], cfg, backends)
+    (_, n), _ = jax.lax.scan(step, (h, n), (layers, next_norms))
     return n
 
 

@@ -232,7 +232,7 @@ def run(argv: list[str] | None = None) -> dict:
             f"{record['tokens_per_second']:,.0f} tokens/s")
 
     if mesh is not None:
-        record["sharding"] = {"wq": str(params["layers"][0]["wq"].sharding.spec), "w_down": str(params["layers"][0]["w_down"].sharding.spec)}
+        record["sharding"] = {"wq": str(params["layers"]["wq"].sharding.spec), "w_down": str(params["layers"]["w_down"].sharding.spec)}
     host_params = jax.device_get(params)
     if args.samples:
         record["samples"] = samples(host_params, cfg, backends, corpus, args, log)
