@@ -109,3 +109,18 @@ def test_selection_check_marks_a_default_that_runs_the_fastest_program():
     other[("attention", "s", "fwd+bwd", "default")] = ["attention: pallas_gpu Config(a=2) [heuristic]"]
     assert bench.selection_check(results, other)[0]["same_program_as_fastest"] is False
     assert bench.selection_check(results)[0]["same_program_as_fastest"] is None  # nothing explained: unknown
+
+
+def test_selection_check_reads_a_split_default_as_its_gradient_program_under_fwd_bwd():
+    import bench  # noqa: PLC0415
+
+    def row(mode, backend, ms):
+        return bench.Timing("rms_norm", "s", (1,), "bfloat16", mode, backend, ms, (ms, ms), 1.0, 1.0, 1.0, 1.0, None,
+                            rounds_ms=(ms,))
+
+    split = ["rms_norm: xla ; under a gradient: triton with Cfg(rows=4) [tuned data]"]
+    triton = ["rms_norm: triton Cfg(rows=4) [heuristic]"]
+    for mode, same in (("fwd+bwd", True), ("fwd", False)):  # forward alone: the xla kernel runs
+        results = [row(mode, "default", 0.082), row(mode, "triton", 0.081), row(mode, "xla", 0.09)]
+        runs = {("rms_norm", "s", mode, "default"): split, ("rms_norm", "s", mode, "triton"): triton}
+        assert bench.selection_check(results, runs)[0]["same_program_as_fastest"] is same, mode

@@ -166,7 +166,7 @@ def selection_check(results: list[Timing], runs: dict[tuple[str, str, str, str],
         if default is None or not named:
             continue
         fastest = min(named, key=lambda t: t.median_ms)
-        program = [_program(runs.get((op, shape, mode, name))) for name in ("default", fastest.backend)]
+        program = [_program(runs.get((op, shape, mode, name)), mode) for name in ("default", fastest.backend)]
         paired = [a / b for a, b in zip(default.rounds_ms, fastest.rounds_ms)]
         rows.append({"op": op, "shape": shape, "mode": mode, "default_ms": default.median_ms, "fastest": fastest.backend,
                      "fastest_ms": fastest.median_ms, "default_over_fastest": default.median_ms / fastest.median_ms,
@@ -175,12 +175,20 @@ def selection_check(results: list[Timing], runs: dict[tuple[str, str, str, str],
     return rows
 
 
-def _program(decisions: list[str] | None) -> tuple[str, ...] | None:
+def _program(decisions: list[str] | None, mode: str = "fwd") -> tuple[str, ...] | None:
     """`explained` lines without the '[source]' labels (heuristic, tuned file, ...): two calls
-    with equal programs run the same kernels with the same configs."""
+    with equal programs run the same kernels with the same configs. Timed fwd+bwd, a call whose
+    gradient runs another backend ('op: A ...; under a gradient: B with ...') runs B for its
+    forward too (the split of core/dispatch.py), so its program is B's."""
     if not decisions or any(d.startswith("explain failed") for d in decisions):
         return None
-    return tuple(re.sub(r" \[[^\]]*\]", "", d) for d in decisions)
+    lines = []
+    for d in decisions:
+        op, _, rest = d.partition(": ")
+        if mode == "fwd+bwd" and "; under a gradient: " in rest:
+            rest = rest.split("; under a gradient: ", 1)[1].replace(" with ", " ", 1)
+        lines.append(re.sub(r" \[[^\]]*\]", "", f"{op}: {rest}").strip())
+    return tuple(lines)
 
 
 def selectable(backend: str) -> bool:
