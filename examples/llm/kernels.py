@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 
 from forgeax import ops
 from forgeax.core import current_device_kind, current_platform
+from forgeax.core.timing import interleaved
 
 from .config import OPS, ModelConfig
 
@@ -78,15 +78,10 @@ def compile_case(fn, args):
 
 
 def time_rounds(compiled: dict, args, rounds: int = 5) -> dict:
-    """Seconds per call of each compiled function, timed in alternating rounds; the minimum over
-    rounds (the least disturbed by other work on the machine)."""
-    times = {name: [] for name in compiled}
-    for _ in range(rounds):
-        for name, c in compiled.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(c(*args))
-            times[name].append(time.perf_counter() - t0)
-    return {name: min(t) for name, t in times.items()}
+    """Seconds per call of each compiled function: the median over `rounds` interleaved rounds
+    (forgeax's timing method, core/timing.py: the order rotates and reverses between rounds)."""
+    times = interleaved({name: (c, args) for name, c in compiled.items()}, calls=1, rounds=rounds, warmup=0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def native_backends(name: str) -> list[str]:
