@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+import forgeax
 from forgeax.examples.llm import data as data_lib
 from forgeax.examples.llm import train
 
@@ -48,10 +49,15 @@ def test_xla_and_auto_give_the_same_losses_within_bf16_noise(tmp_path):
     xla = train.run(args + ["--ops", "xla", "--out", str(tmp_path / "xla")])
     auto = train.run(args + ["--ops", "auto", "--out", str(tmp_path / "auto")])
     np.testing.assert_allclose(auto["losses"], xla["losses"], rtol=2e-2)
-    cache = json.loads((tmp_path / "cache" / "llm_auto_backends.json").read_text())
-    assert {k.split("|")[1] for k in cache} == {"rms_norm", "add_rms_norm", "rope_qk", "attention", "gated_mlp",
-                                                 "linear_cross_entropy"}
-    assert all("xla" in v["seconds_fwd_bwd"] for v in cache.values())
+    # auto's measurements are a forgeax Tuning on disk: fwd+bwd times of every native backend
+    # (on a CPU the XLA ones) for each op's call at the model's shapes.
+    cache = forgeax.Tuning.loads((tmp_path / "cache" / "llm_auto_tuning.json").read_text())
+    assert {e.op for e in cache.entries} == {"rms_norm", "add_rms_norm", "rope_qk", "attention", "gated_mlp",
+                                             "linear_cross_entropy"}
+    assert all(e.timed == "fwd+bwd" and e.seconds > 0 for e in cache.entries)
+    assert {e.op for e in cache.entries if e.backend == "xla"} == {e.op for e in cache.entries}
+    again = train.run(args + ["--ops", "auto", "--out", str(tmp_path / "again")])  # from the cache: same choices
+    assert again["backends"] == auto["backends"] and again["losses"] == auto["losses"]
 
 
 def test_plain_baseline_computes_the_same_model(tmp_path):

@@ -1,16 +1,18 @@
 """`auto` backends by measurement, and the kernel report.
 
 For each op the model calls, `op_case` builds its arguments at the model's real shapes and a
-jitted forward+backward. `choose` times every backend that runs natively on this platform (no
-interpreters) and keeps the fastest; the choice is cached in a JSON file keyed by device kind,
-op, shapes and dtype, so the next run with the same model skips the measurement. On a CPU only
-the XLA backends run. `report` compares each chosen backend with the XLA reference: time,
-speedup and compiled temporary memory of the op, and of the whole train step.
+forward+backward. `choose` runs forgeax's autotuner (`forgeax.core.autotuning.tune_calls`) on
+that call over the backends that run natively here (no interpreters), `max_configs` configs
+each (1: each backend's default config, a backend choice), and keeps the fastest fwd+bwd. The
+results are a `forgeax.Tuning` cached on disk (keyed by device kind, op and call signature), so
+the next run with the same model skips the measurement; `resolve` returns it too, and the model
+runs inside it, so a tuned config applies as well. On a CPU only the XLA backends run. `report`
+compares each chosen backend with the XLA reference: time, speedup and compiled temporary
+memory of the op, and of the whole train step.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from pathlib import Path
@@ -19,8 +21,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+import forgeax
 from forgeax import ops
 from forgeax.core import current_device_kind, current_platform
+from forgeax.core.autotuning import find_calls, tune_calls
 from forgeax.core.timing import interleaved
 
 from .config import OPS, ModelConfig
@@ -98,54 +102,57 @@ def native_backends(name: str) -> list[str]:
 
 def cache_path() -> Path:
     root = os.environ.get("FORGEAX_LLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "forgeax")
-    return Path(root) / "llm_auto_backends.json"
+    return Path(root) / "llm_auto_tuning.json"
 
 
-def _cache_key(name: str, args) -> str:
-    shapes = ",".join(f"{a.dtype.name}{list(a.shape)}" for a in args)
-    return f"{current_device_kind()}|{OPS[name]}|{shapes}"
+def load_cache(cache: Path) -> forgeax.Tuning:
+    """The cached tuning (empty when missing; a cache of another forgeax version loads empty)."""
+    return forgeax.Tuning.loads(cache.read_text(), source=str(cache)) if cache.exists() else forgeax.Tuning()
 
 
-def choose(name: str, cfg: ModelConfig, batch: int, *, cache: Path | None = None, log=print) -> tuple[str, dict]:
-    """The fastest native backend for op `name` at the model's shapes: (backend, record)."""
+def choose(name: str, cfg: ModelConfig, batch: int, *, cache: Path | None = None, max_configs: int = 1,
+           log=print) -> tuple[str, forgeax.Tuning]:
+    """The fastest native backend for op `name` at the model's shapes, fwd+bwd, and the tuning
+    entries of that call (measured now, or read from `cache`)."""
     cache = cache or cache_path()
     make, args = op_case(name, cfg, batch)
-    key = _cache_key(name, args)
-    table = json.loads(cache.read_text()) if cache.exists() else {}
-    if key in table:
-        return table[key]["backend"], table[key]
-    compiled = {}
-    for b in native_backends(name):
-        try:
-            compiled[b] = compile_case(fwd_bwd(make, args, b), args)[0]
-        except Exception as e:  # noqa: BLE001 - unsupported at these shapes or failed to compile: skip it
-            log(f"  auto {name}: {b} skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    if len(compiled) == 1:  # nothing to compare (e.g. only the reference runs here)
-        best, times = next(iter(compiled)), {next(iter(compiled)): None}
-    else:
-        times = time_rounds(compiled, args)
-        best = min(times, key=times.get)
-        log(f"  auto {name}: " + ", ".join(f"{b} {t * 1e3:.2f} ms" for b, t in sorted(times.items(), key=lambda kv: kv[1])))
-    record = {"backend": best, "seconds_fwd_bwd": times}
-    table[key] = record
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-    tmp.replace(cache)
-    return best, record
+    (call,) = [c for c in find_calls(jax.value_and_grad(make(None), argnums=tuple(range(len(args)))), *args)
+               if c.op == OPS[name]]
+    device = current_device_kind()
+    stored = load_cache(cache)
+    timed = [e for e in stored.lookup(device, call.op, call.key) if e.timed == "fwd+bwd" and e.seconds is not None]
+    if not timed:
+        tuning = tune_calls([call], backends=native_backends(name), max_configs=max_configs, progress=False)
+        for failure in (r for r in tuning.report if "error" in r):
+            log(f"  auto {name}: {failure.get('backend', '')} skipped ({str(failure['error']).splitlines()[0][:120]})")
+        stored = stored | tuning
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(stored.dumps())
+        tmp.replace(cache)
+        timed = [e for e in stored.lookup(device, call.op, call.key) if e.timed == "fwd+bwd" and e.seconds is not None]
+        if not timed:
+            raise RuntimeError(f"auto {name}: no backend ran {call.op} at the model's shapes: {tuning.report}")
+        if len(timed) > 1:
+            log(f"  auto {name}: " + ", ".join(f"{e.backend} {e.seconds * 1e3:.2f} ms" for e in sorted(timed, key=lambda e: e.seconds)))
+    best = min(timed, key=lambda e: e.seconds)
+    return best.backend, forgeax.Tuning([best])
 
 
-def resolve(settings: dict[str, str], cfg: ModelConfig, batch: int, *, cache: Path | None = None, log=print) -> dict[str, str | None]:
-    """OPS key -> backend for the model: "auto" measured (and cached), any other name passed on."""
-    out = {}
+def resolve(settings: dict[str, str], cfg: ModelConfig, batch: int, *, cache: Path | None = None, max_configs: int = 1,
+            log=print) -> tuple[dict[str, str | None], forgeax.Tuning]:
+    """(OPS key -> backend for the model, the tuning to run it in): "auto" measured (and
+    cached), "default" forgeax's own selection (None), any other name passed on."""
+    out, tuning = {}, forgeax.Tuning()
     for name, setting in settings.items():
         if setting == "auto":
-            out[name], _ = choose(name, cfg, batch, cache=cache, log=log)
+            out[name], chosen = choose(name, cfg, batch, cache=cache, max_configs=max_configs, log=log)
+            tuning = tuning | chosen
         elif setting in (None, "default"):
             out[name] = None  # forgeax's own selection (rules + priority)
         else:
             out[name] = setting
-    return out
+    return out, tuning
 
 
 def report(loss_fn, params, batch_arrays, backends: dict[str, str | None], cfg: ModelConfig, batch: int) -> list[dict]:

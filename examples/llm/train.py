@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(forgeax's own selection), plain (plain JAX code, no forgeax: the baseline) or a backend name")
     for name in OPS:
         p.add_argument("--" + name.replace("_", "-"), help=f"backend of {OPS[name]} (overrides --ops)")
+    p.add_argument("--auto-configs", type=int, default=1, help="configs per backend auto times (1: each backend's "
+                   "default config, a backend choice)")
     p.add_argument("--mesh", help="DATAxMODEL devices, e.g. 2x4: data and Megatron tensor parallelism")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=4)
@@ -140,10 +142,16 @@ def run(argv: list[str] | None = None) -> dict:
         f"heads {cfg.n_heads}/{cfg.n_kv_heads}, seq {cfg.seq_len}, {cfg.dtype}; data {corpus.name} "
         f"({len(corpus.train):,} train / {len(corpus.eval):,} eval tokens); {jax.devices()[0].device_kind}"
         + (f", mesh {dict(mesh.shape)}" if mesh else ""))
-    local_batch = args.batch
-    backends = kernels.resolve(settings, cfg, local_batch, log=log)
+    backends, tuning = kernels.resolve(settings, cfg, args.batch, max_configs=args.auto_configs, log=log)
     log("backends: " + ", ".join(f"{k}={v or 'forgeax default'}" for k, v in backends.items()))
+    with tuning:  # auto's configs apply wherever the model is traced (train step, eval, sampler, report)
+        return train(args, cfg, corpus, settings, backends, mesh, console)
 
+
+def train(args, cfg: ModelConfig, corpus, settings: dict, backends: dict, mesh: Mesh | None, console) -> dict:
+    """Trains (or, with --benchmark-steps, times) the model; returns the run's log."""
+    log = console.print
+    local_batch = args.batch
     opt = make_optimizer(args)
     params = model_lib.init_params(cfg, jax.random.PRNGKey(args.seed))
     shardings = None
