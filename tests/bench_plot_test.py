@@ -124,3 +124,16 @@ def test_selection_check_reads_a_split_default_as_its_gradient_program_under_fwd
         results = [row(mode, "default", 0.082), row(mode, "triton", 0.081), row(mode, "xla", 0.09)]
         runs = {("rms_norm", "s", mode, "default"): split, ("rms_norm", "s", mode, "triton"): triton}
         assert bench.selection_check(results, runs)[0]["same_program_as_fastest"] is same, mode
+
+
+def test_selection_check_on_real_explain_lines(tmp_path):
+    """On a CPU the default runs the XLA reference: the same program as the `xla` row, from the
+    explain lines the bench records for both."""
+    import bench  # noqa: PLC0415
+
+    out = tmp_path / "bench.json"
+    bench.main(["--op", "rms_norm", "--backend", "default", "--backend", "xla", "--mode", "fwd", "--mode", "fwd+bwd",
+                "--calls", "1", "--reps", "2", "--out", str(out)])
+    checks = json.loads(out.read_text())["selection"]
+    assert checks and all(c["fastest"] == "xla" and c["same_program_as_fastest"] is True for c in checks), checks
+    assert all(c["default_over_fastest_rounds"] > 0 for c in checks)
