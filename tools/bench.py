@@ -44,7 +44,7 @@ import bench_specs  # noqa: E402  (a sibling module, also when run as a plain sc
 import forgeax  # noqa: E402
 from forgeax import core as interface  # noqa: E402
 from forgeax.core.autotuning import SERIAL_COMPILE, compile_all  # noqa: E402
-from forgeax.core.timing import copy_bandwidth, interleaved, temp_bytes, time_call  # noqa: E402,F401
+from forgeax.core.timing import copy_bandwidth, interleaved, paired_ratios, temp_bytes, time_call  # noqa: E402,F401
 
 # The device nodes by which JAX decides that an NVIDIA GPU is visible (jax/_src/hardware_utils.py,
 # has_visible_nvidia_gpu): without one of them JAX never starts its CUDA backend.
@@ -167,7 +167,7 @@ def selection_check(results: list[Timing], runs: dict[tuple[str, str, str, str],
             continue
         fastest = min(named, key=lambda t: t.median_ms)
         program = [_program(runs.get((op, shape, mode, name)), mode) for name in ("default", fastest.backend)]
-        paired = [a / b for a, b in zip(default.rounds_ms, fastest.rounds_ms)]
+        paired = paired_ratios(default.rounds_ms, fastest.rounds_ms)
         rows.append({"op": op, "shape": shape, "mode": mode, "default_ms": default.median_ms, "fastest": fastest.backend,
                      "fastest_ms": fastest.median_ms, "default_over_fastest": default.median_ms / fastest.median_ms,
                      "default_over_fastest_rounds": statistics.median(paired) if paired else None,
@@ -285,7 +285,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[dict[str, Any]], None] |
                 results += [dataclasses.replace(
                     t, speedup_vs_xla=(xla.median_ms / t.median_ms) if xla else None,
                     speedup_vs_anchor=(anchor.median_ms / t.median_ms) if anchor else None,
-                    speedup_vs_anchor_rounds=tuple(a / b for a, b in zip(anchor.rounds_ms, t.rounds_ms)) if anchor else ())
+                    speedup_vs_anchor_rounds=tuple(paired_ratios(anchor.rounds_ms, t.rounds_ms)) if anchor else ())
                     for t in row]
                 del fns  # free the executables' buffers before the next shape
                 if checkpoint is not None:
