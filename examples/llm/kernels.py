@@ -116,11 +116,14 @@ def choose(name: str, cfg: ModelConfig, batch: int, *, cache: Path | None = None
     entries of that call (measured now, or read from `cache`)."""
     cache = cache or cache_path()
     make, args = op_case(name, cfg, batch)
-    (call,) = [c for c in find_calls(jax.value_and_grad(make(None), argnums=tuple(range(len(args)))), *args)
-               if c.op == OPS[name]]
+    (call,) = [c for c in find_calls(fwd_bwd(make, args, None), *args) if c.op == OPS[name]]
     device = current_device_kind()
+
+    def measured(tuning: forgeax.Tuning) -> list:  # the call's fwd+bwd timings in `tuning`
+        return [e for e in tuning.lookup(device, call.op, call.key) if e.timed == "fwd+bwd" and e.seconds is not None]
+
     stored = load_cache(cache)
-    timed = [e for e in stored.lookup(device, call.op, call.key) if e.timed == "fwd+bwd" and e.seconds is not None]
+    timed = measured(stored)
     if not timed:
         tuning = tune_calls([call], backends=native_backends(name), max_configs=max_configs, progress=False)
         for failure in (r for r in tuning.report if "error" in r):
@@ -130,7 +133,7 @@ def choose(name: str, cfg: ModelConfig, batch: int, *, cache: Path | None = None
         tmp = cache.with_suffix(".tmp")
         tmp.write_text(stored.dumps())
         tmp.replace(cache)
-        timed = [e for e in stored.lookup(device, call.op, call.key) if e.timed == "fwd+bwd" and e.seconds is not None]
+        timed = measured(stored)
         if not timed:
             raise RuntimeError(f"auto {name}: no backend ran {call.op} at the model's shapes: {tuning.report}")
         if len(timed) > 1:
