@@ -101,6 +101,24 @@ def test_saved_preactivations_match_reference(backend, fused):
     conformance.assert_conforms(case, backend)
 
 
+# The pallas_gpu forward's two kernels and both accumulator widths, where they differ: several
+# tiles per persistent CTA (interpret mode runs 2 CTAs), a K loop longer than the TMA ring (5
+# steps, 3 slots) and ring uses carried from tile to tile, rows off the 128-row tile.
+PALLAS_GPU_FORWARDS = {"warp_specialized_128": dict(block_n=128), "warp_specialized_64": dict(block_n=64),
+                       "one_warpgroup": dict(warp_specialized=False)}
+
+
+@pytest.mark.parametrize("form", PALLAS_GPU_FORWARDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "pallas_gpu"])
+def test_pallas_gpu_forward_forms_match_reference(backend, form):
+    from forgeax.kernels.pallas.gpu.gated_mlp import GatedMLPPallasGpuConfig
+
+    config = GatedMLPPallasGpuConfig(stages=3, group_m=2, **PALLAS_GPU_FORWARDS[form])
+    case = _case((300,), 320, 256, None, jnp.bfloat16, activation="silu", fused=form == "warp_specialized_64", seed=23)
+    case = dataclasses.replace(case, public=functools.partial(ops.gated_mlp, config=config))
+    conformance.assert_conforms(case, backend)
+
+
 def _avals(jaxpr):
     """Every value a jaxpr (and the jaxprs inside its equations) produces."""
     for eqn in jaxpr.eqns:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from forgeax import ops
 from forgeax.core import UnsupportedError
+from forgeax.kernels.common.gated_mlp import GatedMLPSpec
 
 from .base import Shape, Spec, training_step, with_config
 
@@ -32,7 +33,15 @@ def _gated_mlp_spec() -> Spec:
         return normal(kx, (m, k), 1.0), normal(kg, (k, n), k ** -0.5), normal(ku, (k, n), k ** -0.5), w_down, ct
 
     def build(backend: str | None, mode: str, options: dict[str, Any]) -> Callable[..., Any]:
-        return training_step(functools.partial(ops.gated_mlp, backend=backend, **options), mode)
+        fields = dict(options)  # config fields ('pallas_gpu:block_n=64')
+        activation = fields.pop("activation", "silu")
+
+        def mlp(x, wg, wu, wd):
+            spec = GatedMLPSpec(activation=activation)
+            return ops.gated_mlp(x, wg, wu, wd, activation=activation, backend=backend,
+                                 **with_config("gated_mlp", backend, fields, x, wg, wu, wd, spec=spec))
+
+        return training_step(mlp, mode)
 
     def plain_jax(mode: str, options: dict[str, Any]) -> Callable[..., Any]:
         # What users write: bf16 products (f32 accumulation inside the GEMM), silu, the product.

@@ -20,6 +20,15 @@ weight columns in L2. The backward's plain products (dx, dW, dh, dw_down) are XL
 gelu's erf is a rational-exponential approximation (|error| < 1.5e-7; Mosaic GPU's default
 lowering has no erf rule).
 
+The forward has a second, warp-specialised form (`warp_specialized=True`, the default when N is a
+multiple of `block_n`): a persistent grid (one CTA per SM, tiles dealt by warpgroups.Schedule),
+a producer warpgroup streaming the x tile (128 x 64) and the gate and up tiles (64 x block_n
+each) into the ring, and two consumer warpgroups of 64 rows each, so every wgmma is
+64 x block_n x 16: the wider N halves the SMEM reads of x per FLOP against the one-warpgroup
+kernel's 64-wide accumulators, and while one consumer waits on its wgmmas the other issues.
+Each consumer retires a step's wgmmas one step late (`wgmma_wait(2)` after issuing the next
+step's pair), then releases that step's slot.
+
 Scope: bf16/f16, K and N multiples of 64 (others are refused: the XLA/Triton backends run them).
 """
 
@@ -39,6 +48,7 @@ from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.gated_mlp import differentiable_gated_mlp, hidden_size
 from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params, kernel_axis
+from forgeax.kernels.pallas.gpu.warpgroups import CTA, ROWS, WG_AXIS, WGS, Schedule, SlotFree, launch, warp_specialized
 from forgeax.kernels.pallas.interpret import without_effects
 
 _F32 = jnp.float32
@@ -52,22 +62,34 @@ _TILE_AXIS = kernel_axis("t")  # the grid: one CTA per output tile
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GatedMLPPallasGpuConfig(KernelConfig):
-    """stages: depth of the TMA ring (32 KiB per stage); group_m: row blocks per L2 group of the
-    tile order. SMEM: stages * 32 KiB + 16 KiB (forward) or 64 KiB (backward) of epilogue tiles."""
+    """stages: depth of the TMA ring; group_m: row blocks per L2 group of the tile order.
+    warp_specialized: the forward's persistent producer/consumer kernel (the backward always runs
+    the one-warpgroup kernel); block_n: its columns per accumulator (64 or 128; two 64 x block_n
+    f32 accumulators per consumer). SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or
+    64 KiB (backward); warp-specialised, stages * (16 + block_n / 4) KiB + block_n / 4 KiB."""
 
     stages: int = 4
     group_m: int = 16
+    warp_specialized: bool = True
+    block_n: int = 128
 
     def validate(self) -> None:
         super().validate()
         if self.stages < 2:
             raise ValueError(f"GatedMLPPallasGpuConfig.stages: expected >= 2, got {self.stages}")
-        if self.stages * _stage_bytes(2) + 4 * _BM * _BN * 2 + 1024 > _SMEM_BYTES:
+        if self.block_n not in (64, 128):
+            raise ValueError(f"GatedMLPPallasGpuConfig.block_n: expected 64 or 128, got {self.block_n}")
+        if self.stages * _stage_bytes(_BM, _BN, 2) + 4 * _BM * _BN * 2 + 1024 > _SMEM_BYTES:
             raise ValueError(f"GatedMLPPallasGpuConfig.stages: {self.stages} stages exceed {_SMEM_BYTES} B of shared memory")
+        if self.warp_specialized and (self.stages * _stage_bytes(CTA, self.block_n, 2) + CTA * self.block_n * 2 + 1024
+                                      > _SMEM_BYTES):
+            raise ValueError(f"GatedMLPPallasGpuConfig: {self.stages} stages of block_n={self.block_n} exceed "
+                             f"{_SMEM_BYTES} B of shared memory")
 
 
-def _stage_bytes(itemsize: int) -> int:
-    return (_BM * _TK + 2 * _TK * _BN) * itemsize
+def _stage_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """One ring slot: the x tile (rows x _TK) and the gate and up tiles (_TK x cols each)."""
+    return (rows * _TK + 2 * _TK * cols) * itemsize
 
 
 def heuristic_config(x, w_gate, w_up, w_down=None, *, spec) -> GatedMLPPallasGpuConfig:
@@ -77,7 +99,9 @@ def heuristic_config(x, w_gate, w_up, w_down=None, *, spec) -> GatedMLPPallasGpu
 
 def candidate_configs(x, w_gate, w_up, w_down=None, *, spec) -> list[GatedMLPPallasGpuConfig]:
     del x, w_gate, w_up, w_down, spec
-    return [GatedMLPPallasGpuConfig(stages=s, group_m=g) for s in (3, 4, 5) for g in (8, 16, 32)]
+    return ([GatedMLPPallasGpuConfig(stages=s, group_m=g, block_n=bn) for s in (3, 4) for g in (8, 16, 32)
+             for bn in (64, 128)]
+            + [GatedMLPPallasGpuConfig(stages=s, group_m=g, warp_specialized=False) for s in (3, 4, 5) for g in (8, 16)])
 
 
 # ----------------------------------------------------------------------------- epilogue math
@@ -107,7 +131,17 @@ def _act(g, activation: str):
     return jnp.maximum(g, 0.0), jnp.where(g > 0.0, 1.0, 0.0)
 
 
-# ----------------------------------------------------------------------------- the kernel
+# ----------------------------------------------------------------------------- the kernels
+
+
+def _tile_coords(t, blocks_m: int, blocks_n: int, group_m: int):
+    """Tile id -> (row block, column block): groups of `group_m` row blocks, rows fastest inside
+    a group, so the tiles running together share x rows and weight columns in L2."""
+    per_group = group_m * blocks_n
+    first_m = (t // per_group) * group_m
+    size = jnp.minimum(blocks_m - first_m, group_m)
+    return first_m + lax.rem(lax.rem(t, per_group), size), lax.div(lax.rem(t, per_group), size)
+
 
 
 def _call(x, wg, wu, dh, *, n, up_offset, activation, want_h, config):
@@ -125,12 +159,7 @@ def _call(x, wg, wu, dh, *, n, up_offset, activation, want_h, config):
         dh_g = refs[3] if backward else None
         outs = refs[3 + backward:-1]
         a_s, g_s, u_s, loaded, epi_s, epi_bar = refs[-1]
-        pid = lax.axis_index(_TILE_AXIS)
-        per_group = group_m * blocks_n
-        first_m = (pid // per_group) * group_m
-        size = jnp.minimum(blocks_m - first_m, group_m)
-        pid_m = first_m + lax.rem(lax.rem(pid, per_group), size)
-        pid_n = lax.div(lax.rem(pid, per_group), size)
+        pid_m, pid_n = _tile_coords(lax.axis_index(_TILE_AXIS), blocks_m, blocks_n, group_m)
         rows = pl.ds(pl.multiple_of(pid_m * _BM, _BM), _BM)
         c0 = pl.multiple_of(pid_n * _BN, _BN)
         cols = pl.ds(c0, _BN)
@@ -208,6 +237,92 @@ def _call(x, wg, wu, dh, *, n, up_offset, activation, want_h, config):
     return call(x, wg, wu, *((dh,) if backward else ()))
 
 
+def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
+    """h = act(x @ wg) * (x @ wu) [Mp, N] by the persistent producer/consumer kernel (module doc)."""
+    mp, k = x.shape
+    dt = x.dtype
+    bn, stages, interpret = config.block_n, config.stages, interpret_enabled()
+    nk, blocks_m, blocks_n = k // _TK, mp // CTA, n // bn
+    schedule = Schedule.of(lambda t: jnp.int32(nk), (blocks_m * blocks_n, 1, 1), persistent=True, interpret=interpret)
+    swizzled = (plgpu.TilingTransform((8, _TK)), plgpu.SwizzleTransform(128))
+
+    def kernel(x_g, wg_g, wu_g, table_ref, h_g, x_s, g_s, u_s, h_s, loaded, free):
+        wg_id = lax.axis_index(WG_AXIS)
+        ring = SlotFree(free, stages, 0, named=False)
+        total = schedule.count(table_ref) * nk  # ring uses of this CTA
+
+        def corner(t):
+            if isinstance(t, tuple):  # one CTA per tile: its grid indices (tile id, 0, 0)
+                t = t[0]
+            pid_m, pid_n = _tile_coords(t, blocks_m, blocks_n, config.group_m)
+            return pl.multiple_of(pid_m * CTA, CTA), pl.multiple_of(pid_n * bn, bn)
+
+        def consumer():
+            own = pl.ds(pl.multiple_of(wg_id * ROWS, ROWS), ROWS)
+
+            def one_tile(kk, t, base):
+                r0, c0 = corner(t)
+
+                def mac(acc_g, acc_u):
+                    def step(i, _):
+                        slot = lax.rem(base + i, stages)
+                        plgpu.barrier_wait(loaded.at[slot])
+                        plgpu.wgmma(acc_g, x_s.at[slot].at[own], g_s.at[slot])
+                        plgpu.wgmma(acc_u, x_s.at[slot].at[own], u_s.at[slot])
+                        plgpu.wgmma_wait(2)  # step i-1's pair retired: its slot may be refilled
+
+                        @pl.when(i >= 1)
+                        def _():
+                            ring.release(lax.rem(base + i - 1, stages), base + i - 1, total)
+
+                    lax.fori_loop(0, nk, step, None)
+                    gate, up = acc_g[...], acc_u[...]  # waits for the last pair
+                    ring.release(lax.rem(base + nk - 1, stages), base + nk - 1, total)
+                    return gate, up
+
+                gate, up = pl.run_scoped(mac, plgpu.ACC((ROWS, bn), _F32), plgpu.ACC((ROWS, bn), _F32))
+                h = (_act(gate, activation)[0] * up).astype(dt)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read h_s
+                h_s.at[wg_id][...] = h
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(h_s.at[wg_id], h_g.at[pl.ds(r0 + wg_id * ROWS, ROWS), pl.ds(c0, bn)])
+                return base + nk
+
+            return one_tile
+
+        def producer():
+            def one_tile(kk, t, base):
+                r0, c0 = corner(t)
+
+                def load(i, _):
+                    slot = lax.rem(base + i, stages)
+                    ring.acquire(slot, base + i)
+                    kb = pl.ds(pl.multiple_of(i * _TK, _TK), _TK)
+                    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(r0, CTA), kb], x_s.at[slot], loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(wg_g.at[kb, pl.ds(c0, bn)], g_s.at[slot], loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(wu_g.at[kb, pl.ds(c0 + up_offset, bn)], u_s.at[slot], loaded.at[slot])
+
+                lax.fori_loop(0, nk, load, None)
+                return base + nk
+
+            return one_tile
+
+        warp_specialized(wg_id, schedule, table_ref, consumer, producer)
+
+    scratch = [
+        plgpu.SMEM((stages, CTA, _TK), dt, transforms=swizzled),
+        plgpu.SMEM((stages, _TK, bn), dt, transforms=swizzled),
+        plgpu.SMEM((stages, _TK, bn), dt, transforms=swizzled),
+        plgpu.SMEM((WGS, ROWS, bn), dt, transforms=swizzled),
+    ]
+    bars = [plgpu.Barrier(num_arrivals=3, num_barriers=stages), plgpu.Barrier(num_arrivals=WGS, num_barriers=stages)]
+    out_type = jax.ShapeDtypeStruct((mp, n), dt)
+    call = launch("gated_mlp_fwd", kernel, scratch, bars, out_type, schedule, interpret, row_reductions_only=True)
+    if interpret:  # the interpreter's effects would block jax.checkpoint: hide them
+        call = without_effects(call, out_type)
+    return call(x, wg, wu, schedule.input())
+
+
 def _operands(x, w_gate, w_up):
     m, k = x.shape
     n = hidden_size(w_gate, w_up)
@@ -221,7 +336,10 @@ def _operands(x, w_gate, w_up):
 
 def forward(x, w_gate, w_up, *, activation, config):
     m, n, xp, wg, wu, off = _operands(x, w_gate, w_up)
-    (h,) = _call(xp, wg, wu, None, n=n, up_offset=off, activation=activation, want_h=False, config=config)
+    if config.warp_specialized and n % config.block_n == 0:
+        h = _warp_specialized_forward(xp, wg, wu, n=n, up_offset=off, activation=activation, config=config)
+    else:
+        (h,) = _call(xp, wg, wu, None, n=n, up_offset=off, activation=activation, want_h=False, config=config)
     return h[:m]
 
 
