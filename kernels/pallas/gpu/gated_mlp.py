@@ -48,7 +48,8 @@ from forgeax.core.registry import Implementation
 from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.gated_mlp import differentiable_gated_mlp, hidden_size
 from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params, kernel_axis
-from forgeax.kernels.pallas.gpu.warpgroups import CTA, ROWS, WG_AXIS, WGS, Schedule, SlotFree, launch, warp_specialized
+from forgeax.kernels.pallas.gpu.warpgroups import (
+    CTA, FIRST_NAMED_BARRIER, ROWS, WG_AXIS, WGS, Schedule, SlotFree, launch, warp_specialized)
 from forgeax.kernels.pallas.interpret import without_effects
 
 _F32 = jnp.float32
@@ -65,13 +66,15 @@ class GatedMLPPallasGpuConfig(KernelConfig):
     """stages: depth of the TMA ring; group_m: row blocks per L2 group of the tile order.
     warp_specialized: the forward's persistent producer/consumer kernel (the backward always runs
     the one-warpgroup kernel); block_n: its columns per accumulator (64 or 128; two 64 x block_n
-    f32 accumulators per consumer). SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or
+    f32 accumulators per consumer); named_barriers: its ring slots are released on hardware named
+    barriers instead of mbarriers (GPU only; interpret mode has none). SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or
     64 KiB (backward); warp-specialised, stages * (16 + block_n / 4) KiB + block_n / 4 KiB."""
 
     stages: int = 4
     group_m: int = 16
     warp_specialized: bool = True
     block_n: int = 128
+    named_barriers: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -248,7 +251,7 @@ def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
 
     def kernel(x_g, wg_g, wu_g, table_ref, h_g, x_s, g_s, u_s, h_s, loaded, free):
         wg_id = lax.axis_index(WG_AXIS)
-        ring = SlotFree(free, stages, 0, named=False)
+        ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=config.named_barriers and not interpret)
         total = schedule.count(table_ref) * nk  # ring uses of this CTA
 
         def corner(t):
@@ -259,6 +262,7 @@ def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
 
         def consumer():
             own = pl.ds(pl.multiple_of(wg_id * ROWS, ROWS), ROWS)
+            ring.prime(total)
 
             def one_tile(kk, t, base):
                 r0, c0 = corner(t)
