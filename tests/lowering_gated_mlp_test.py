@@ -154,8 +154,9 @@ def test_pallas_gpu_candidate_configs_lower():
     impl = gpu_gated_mlp.GATED_MLP
     x, wg, wu, wd = _args(*CASES[0])
     spec = GatedMLPSpec()
-    named = impl.heuristic_config(x, wg, wu, wd, spec=spec).replace(named_barriers=True)
-    for config in [*impl.candidate_configs(x, wg, wu, wd, spec=spec), named]:
+    default = impl.heuristic_config(x, wg, wu, wd, spec=spec)
+    variants = [default.replace(named_barriers=True), default.replace(cluster_m=2)]
+    for config in [*impl.candidate_configs(x, wg, wu, wd, spec=spec), *variants]:
         def fwd_bwd(x, wg, wu, ct, config=config):
             out, pullback = jax.vjp(lambda *a: impl.fn(*a, None, spec=spec, config=config), x, wg, wu)
             return out, pullback(ct)

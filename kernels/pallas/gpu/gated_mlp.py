@@ -49,7 +49,7 @@ from forgeax.core.runtime import interpret_enabled
 from forgeax.kernels.common.gated_mlp import differentiable_gated_mlp, hidden_size
 from forgeax.kernels.pallas.gpu import gpu_refusal, interpret_params, kernel_axis
 from forgeax.kernels.pallas.gpu.warpgroups import (
-    CTA, FIRST_NAMED_BARRIER, ROWS, WG_AXIS, WGS, Schedule, SlotFree, launch, warp_specialized)
+    CLUSTER_AXIS, CTA, FIRST_NAMED_BARRIER, ROWS, WG_AXIS, WGS, Schedule, SlotFree, launch, warp_specialized)
 from forgeax.kernels.pallas.interpret import without_effects
 
 _F32 = jnp.float32
@@ -67,7 +67,9 @@ class GatedMLPPallasGpuConfig(KernelConfig):
     warp_specialized: the forward's persistent producer/consumer kernel (the backward always runs
     the one-warpgroup kernel); block_n: its columns per accumulator (64 or 128; two 64 x block_n
     f32 accumulators per consumer); named_barriers: its ring slots are released on hardware named
-    barriers instead of mbarriers (GPU only; interpret mode has none). SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or
+    barriers instead of mbarriers (GPU only; interpret mode has none; not with clusters);
+    cluster_m: 2 runs pairs of row-adjacent tiles on a 2-CTA cluster that multicasts the shared
+    gate/up tiles (each CTA fetches half), a third less L2 -> SMEM traffic per FLOP. SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or
     64 KiB (backward); warp-specialised, stages * (16 + block_n / 4) KiB + block_n / 4 KiB."""
 
     stages: int = 4
@@ -75,11 +77,14 @@ class GatedMLPPallasGpuConfig(KernelConfig):
     warp_specialized: bool = True
     block_n: int = 128
     named_barriers: bool = False
+    cluster_m: int = 1
 
     def validate(self) -> None:
         super().validate()
         if self.stages < 2:
             raise ValueError(f"GatedMLPPallasGpuConfig.stages: expected >= 2, got {self.stages}")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"GatedMLPPallasGpuConfig.cluster_m: expected 1 or 2, got {self.cluster_m}")
         if self.block_n not in (64, 128):
             raise ValueError(f"GatedMLPPallasGpuConfig.block_n: expected 64 or 128, got {self.block_n}")
         if self.stages * _stage_bytes(_BM, _BN, 2) + 4 * _BM * _BN * 2 + 1024 > _SMEM_BYTES:
@@ -242,23 +247,29 @@ def _call(x, wg, wu, dh, *, n, up_offset, activation, want_h, config):
 
 def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
     """h = act(x @ wg) * (x @ wu) [Mp, N] by the persistent producer/consumer kernel (module doc)."""
-    mp, k = x.shape
+    m, k = x.shape
     dt = x.dtype
-    bn, stages, interpret = config.block_n, config.stages, interpret_enabled()
-    nk, blocks_m, blocks_n = k // _TK, mp // CTA, n // bn
-    schedule = Schedule.of(lambda t: jnp.int32(nk), (blocks_m * blocks_n, 1, 1), persistent=True, interpret=interpret)
+    bn, stages, interpret, cm = config.block_n, config.stages, interpret_enabled(), config.cluster_m
+    mp = -(-m // (CTA * cm)) * CTA * cm  # whole clusters of row tiles
+    if mp != m:
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))
+    nk, blocks_m, blocks_n = k // _TK, mp // (CTA * cm), n // bn
+    schedule = Schedule.of(lambda t: jnp.int32(nk), (blocks_m * blocks_n, 1, 1), persistent=True, interpret=interpret,
+                           cluster=cm)
     swizzled = (plgpu.TilingTransform((8, _TK)), plgpu.SwizzleTransform(128))
+    shared = dict(collective_axes=CLUSTER_AXIS) if cm > 1 else {}  # the weight tiles' multicast
 
     def kernel(x_g, wg_g, wu_g, table_ref, h_g, x_s, g_s, u_s, h_s, loaded, free):
         wg_id = lax.axis_index(WG_AXIS)
-        ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=config.named_barriers and not interpret)
-        total = schedule.count(table_ref) * nk  # ring uses of this CTA
+        ring = SlotFree(free, stages, FIRST_NAMED_BARRIER, named=config.named_barriers and cm == 1 and not interpret)
+        total = schedule.count(table_ref) * nk  # ring uses of this CTA (and of its cluster's other)
+        cta_row = lax.axis_index(CLUSTER_AXIS) * CTA if cm > 1 else 0
 
         def corner(t):
-            if isinstance(t, tuple):  # one CTA per tile: its grid indices (tile id, 0, 0)
+            if isinstance(t, tuple):  # one CTA (cluster) per tile: its grid indices (tile id, 0, 0)
                 t = t[0]
             pid_m, pid_n = _tile_coords(t, blocks_m, blocks_n, config.group_m)
-            return pl.multiple_of(pid_m * CTA, CTA), pl.multiple_of(pid_n * bn, bn)
+            return pl.multiple_of(pid_m * CTA * cm + cta_row, CTA), pl.multiple_of(pid_n * bn, bn)
 
         def consumer():
             own = pl.ds(pl.multiple_of(wg_id * ROWS, ROWS), ROWS)
@@ -303,8 +314,9 @@ def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
                     ring.acquire(slot, base + i)
                     kb = pl.ds(pl.multiple_of(i * _TK, _TK), _TK)
                     plgpu.copy_gmem_to_smem(x_g.at[pl.ds(r0, CTA), kb], x_s.at[slot], loaded.at[slot])
-                    plgpu.copy_gmem_to_smem(wg_g.at[kb, pl.ds(c0, bn)], g_s.at[slot], loaded.at[slot])
-                    plgpu.copy_gmem_to_smem(wu_g.at[kb, pl.ds(c0 + up_offset, bn)], u_s.at[slot], loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(wg_g.at[kb, pl.ds(c0, bn)], g_s.at[slot], loaded.at[slot], **shared)
+                    plgpu.copy_gmem_to_smem(wu_g.at[kb, pl.ds(c0 + up_offset, bn)], u_s.at[slot], loaded.at[slot],
+                                            **shared)
 
                 lax.fori_loop(0, nk, load, None)
                 return base + nk
@@ -319,12 +331,17 @@ def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
         plgpu.SMEM((stages, _TK, bn), dt, transforms=swizzled),
         plgpu.SMEM((WGS, ROWS, bn), dt, transforms=swizzled),
     ]
-    bars = [plgpu.Barrier(num_arrivals=3, num_barriers=stages), plgpu.Barrier(num_arrivals=WGS, num_barriers=stages)]
+    # A slot is free once every consumer of the cluster has read it: the other CTA's producer
+    # multicasts into it too.
+    free = (plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), num_arrivals=WGS, num_barriers=stages) if cm > 1
+            else plgpu.Barrier(num_arrivals=WGS, num_barriers=stages))
+    bars = [plgpu.Barrier(num_arrivals=3, num_barriers=stages), free]
     out_type = jax.ShapeDtypeStruct((mp, n), dt)
-    call = launch("gated_mlp_fwd", kernel, scratch, bars, out_type, schedule, interpret, row_reductions_only=True)
+    call = launch("gated_mlp_fwd", kernel, scratch, bars, out_type, schedule, interpret, row_reductions_only=True,
+                  cluster=cm)
     if interpret:  # the interpreter's effects would block jax.checkpoint: hide them
         call = without_effects(call, out_type)
-    return call(x, wg, wu, schedule.input())
+    return call(x, wg, wu, schedule.input())[:m]
 
 
 def _operands(x, w_gate, w_up):

@@ -198,10 +198,11 @@ class Schedule:
     table: np.ndarray | None
 
     @classmethod
-    def of(cls, steps_of, dims: tuple[int, int, int], persistent: bool, interpret: bool) -> Schedule:
-        """steps_of(tile id) -> the tile's ring uses (traceable, evaluated here for every tile)."""
+    def of(cls, steps_of, dims: tuple[int, int, int], persistent: bool, interpret: bool, cluster: int = 1) -> Schedule:
+        """steps_of(tile id) -> the tile's ring uses (traceable, evaluated here for every tile).
+        cluster: CTAs per cluster, which run each tile together (the grid then counts clusters)."""
         tiles = math.prod(dims)
-        ctas = min(tiles, INTERPRET_CTAS if interpret else gpu_sm_count())
+        ctas = min(tiles, max(1, (INTERPRET_CTAS if interpret else gpu_sm_count()) // cluster))
         if not persistent or ctas == tiles:
             return cls(dims, tiles, None)
         with jax.ensure_compile_time_eval():
@@ -427,13 +428,16 @@ def bcast(v, shape, dim):
 # ----------------------------------------------------------------------------- launch
 
 
+CLUSTER_AXIS = kernel_axis("cluster")
+
+
 def launch(name: str, kernel, scratch, barriers, out_type, schedule: Schedule, interpret: bool,
-           row_reductions_only: bool = False):
+           row_reductions_only: bool = False, cluster: int = 1):
     """The plgpu.kernel of every attention kernel: `WGS` consumer warpgroups and a producer
     over the schedule's grid, running kernel(*inputs, *outputs, *scratch, *barriers) with every
     SMEM buffer and barrier allocated once for all warpgroups (a None scratch entry stays None:
     a buffer this call does not need). `name` is the kernel's name in profiles;
-    `row_reductions_only`: see `compiler_params`."""
+    `row_reductions_only`: see `compiler_params`; `cluster`: CTAs per cluster (axis CLUSTER_AXIS)."""
 
     def body(*refs):
         pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes=WG_AXIS)
@@ -442,6 +446,7 @@ def launch(name: str, kernel, scratch, barriers, out_type, schedule: Schedule, i
         body,
         out_type=out_type,
         **schedule.grid,
+        **(dict(cluster=(cluster,), cluster_names=(CLUSTER_AXIS,)) if cluster > 1 else {}),
         num_threads=WGS + 1,
         thread_name=WG_AXIS,
         compiler_params=compiler_params(row_reductions_only),
