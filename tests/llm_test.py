@@ -39,7 +39,7 @@ def test_short_run_loss_falls_and_writes_log_plot_samples_and_report(tmp_path):
     report = {r["op"]: r for r in rec["kernel_report"]}
     for op in ("norm", "residual_norm", "rope", "attention", "mlp", "loss", "train step"):
         assert op in report, report.keys()
-    # The layers are one scan: attention is traced (and lowered) once, whatever the depth.
+    # The layers are one scan: attention is traced once, whatever the depth.
     assert report["attention"]["backend"] == "xla" and report["attention"]["calls"] == 1
     assert report["train step"]["temp_bytes"] > 0
 
@@ -58,6 +58,15 @@ def test_xla_and_auto_give_the_same_losses_within_bf16_noise(tmp_path):
     assert {e.op for e in cache.entries if e.backend == "xla"} == {e.op for e in cache.entries}
     again = train.run(args + ["--ops", "auto", "--out", str(tmp_path / "again")])  # from the cache: same choices
     assert again["backends"] == auto["backends"] and again["losses"] == auto["losses"]
+
+
+def test_rolled_and_unrolled_layer_loops_train_the_same_model(tmp_path):
+    # --layer-loop only changes how XLA sees the layers (one loop body, or written out).
+    args = SMALL + QUIET + ["--steps", "3", "--ops", "xla"]
+    unrolled = train.run(args + ["--out", str(tmp_path / "unrolled")])
+    rolled = train.run(args + ["--out", str(tmp_path / "rolled"), "--layer-loop", "rolled"])
+    assert unrolled["config"]["unroll_layers"] and not rolled["config"]["unroll_layers"]
+    np.testing.assert_allclose(rolled["losses"], unrolled["losses"], rtol=1e-5)
 
 
 def test_plain_baseline_computes_the_same_model(tmp_path):

@@ -34,6 +34,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
     remat: bool = False  # recompute each layer's activations in the backward (jax.checkpoint)
+    # The layers' loop: written out (lax.scan fully unrolled: XLA sees straight-line code, the
+    # fastest step) or kept as one loop body (compile time flat in depth: each op is lowered and,
+    # under a mesh, partitioned once instead of once per layer).
+    unroll_layers: bool = True
 
     @property
     def head_dim(self) -> int:

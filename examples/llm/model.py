@@ -6,8 +6,9 @@ Parameters are a pytree of float32 arrays (cast to the compute dtype in the forw
     wk [L, D, K*H], wv [L, D, K*H], wo [L, N*H, D], mlp_norm [L, D], w_gate [L, D, F], w_up [L, D, F],
     w_down [L, F, D]; final_norm [D]; unembed [D, V] unless tied.
 
-The layers run as one `jax.lax.scan`, so each op is traced, lowered and (under a mesh) partitioned
-once, not once per layer: compile time does not grow with depth.
+The layers run as one `jax.lax.scan`: fully unrolled by default (`cfg.unroll_layers`: XLA gets
+straight-line code, the faster step), or rolled, so each op is lowered and (under a mesh)
+partitioned once, not once per layer, and compile time does not grow with depth.
 
 Block (pre-norm, the residual add fused into the next norm by ops.add_rms_norm):
 
@@ -145,7 +146,7 @@ def decoder_layers(layers: dict, final_norm: jax.Array, h: jax.Array, cfg: Model
 
     step = jax.checkpoint(layer_step) if cfg.remat else layer_step
     n = _norm(h, layers["attn_norm"][0], cfg, backends)
-    (_, n), _ = jax.lax.scan(step, (h, n), (layers, next_norms))
+    (_, n), _ = jax.lax.scan(step, (h, n), (layers, next_norms), unroll=cfg.unroll_layers)
     return n
 
 
