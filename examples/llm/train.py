@@ -232,8 +232,10 @@ def train(args, cfg: ModelConfig, corpus, settings: dict, backends: dict, mesh: 
                 record["eval"].append({"step": done, "loss": evaluate(params)})
                 bar.console.print(f"step {done}: eval loss {record['eval'][-1]['loss']:.4f}")
             if manager is not None and args.save_every and done % args.save_every == 0:
+                # Copies of the log: orbax writes the JSON asynchronously, while the next steps append to it.
                 checkpoint.save(manager, done, {"params": params, "opt_state": opt_state, "rng": state["rng"]},
-                                {"data_position": done, "seed": args.seed, **{k: record[k] for k in ("losses", "step_seconds", "eval")}})
+                                {"data_position": done, "seed": args.seed,
+                                 **{k: list(record[k]) for k in ("losses", "step_seconds", "eval")}})
     if manager is not None:
         manager.wait_until_finished()
     if not record["eval"] or record["eval"][-1]["step"] != stop:
