@@ -105,11 +105,10 @@ def test_saved_preactivations_match_reference(backend, fused):
 # tiles per persistent CTA (interpret mode runs 2 CTAs), a K loop longer than the TMA ring (5
 # steps, 3 slots) and ring uses carried from tile to tile, rows off the 128-row tile.
 # named_barriers: hardware named barriers on the GPU (the interpreter runs them as mbarriers);
-# cluster_m=2: CTA pairs sharing the weight tiles by multicast; wgmma_lag=2: two K steps in flight.
+# cluster_m=2: CTA pairs sharing the weight tiles by multicast.
 PALLAS_GPU_FORWARDS = {"warp_specialized_128": dict(block_n=128), "warp_specialized_64": dict(block_n=64),
                        "warp_specialized_named": dict(named_barriers=True),
-                       "warp_specialized_cluster": dict(cluster_m=2), "warp_specialized_lag2": dict(wgmma_lag=2),
-                       "one_warpgroup": dict(warp_specialized=False)}
+                       "warp_specialized_cluster": dict(cluster_m=2), "one_warpgroup": dict(warp_specialized=False)}
 
 
 @pytest.mark.parametrize("form", PALLAS_GPU_FORWARDS)

@@ -69,9 +69,7 @@ class GatedMLPPallasGpuConfig(KernelConfig):
     f32 accumulators per consumer); named_barriers: its ring slots are released on hardware named
     barriers instead of mbarriers (GPU only; interpret mode has none; not with clusters);
     cluster_m: 2 runs pairs of row-adjacent tiles on a 2-CTA cluster that multicasts the shared
-    gate/up tiles (each CTA fetches half), a third less L2 -> SMEM traffic per FLOP; wgmma_lag:
-    how many K steps of wgmmas a consumer keeps in flight before retiring one (and releasing its
-    slot; below stages). SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or
+    gate/up tiles (each CTA fetches half), a third less L2 -> SMEM traffic per FLOP. SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or
     64 KiB (backward); warp-specialised, stages * (16 + block_n / 4) KiB + block_n / 4 KiB."""
 
     stages: int = 4
@@ -80,14 +78,11 @@ class GatedMLPPallasGpuConfig(KernelConfig):
     block_n: int = 128
     named_barriers: bool = False
     cluster_m: int = 1
-    wgmma_lag: int = 1
 
     def validate(self) -> None:
         super().validate()
         if self.stages < 2:
             raise ValueError(f"GatedMLPPallasGpuConfig.stages: expected >= 2, got {self.stages}")
-        if not 1 <= self.wgmma_lag < self.stages:  # a consumer holds lag + 1 slots
-            raise ValueError(f"GatedMLPPallasGpuConfig.wgmma_lag: expected 1..stages-1={self.stages - 1}, got {self.wgmma_lag}")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"GatedMLPPallasGpuConfig.cluster_m: expected 1 or 2, got {self.cluster_m}")
         if self.block_n not in (64, 128):
@@ -254,7 +249,7 @@ def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
     """h = act(x @ wg) * (x @ wu) [Mp, N] by the persistent producer/consumer kernel (module doc)."""
     m, k = x.shape
     dt = x.dtype
-    bn, stages, interpret, cm, lag = config.block_n, config.stages, interpret_enabled(), config.cluster_m, config.wgmma_lag
+    bn, stages, interpret, cm = config.block_n, config.stages, interpret_enabled(), config.cluster_m
     mp = -(-m // (CTA * cm)) * CTA * cm  # whole clusters of row tiles
     if mp != m:
         x = jnp.pad(x, ((0, mp - m), (0, 0)))
@@ -289,16 +284,15 @@ def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
                         plgpu.barrier_wait(loaded.at[slot])
                         plgpu.wgmma(acc_g, x_s.at[slot].at[own], g_s.at[slot])
                         plgpu.wgmma(acc_u, x_s.at[slot].at[own], u_s.at[slot])
-                        plgpu.wgmma_wait(2 * lag)  # step i-lag's pair retired: its slot may be refilled
+                        plgpu.wgmma_wait(2)  # step i-1's pair retired: its slot may be refilled
 
-                        @pl.when(i >= lag)
+                        @pl.when(i >= 1)
                         def _():
-                            ring.release(lax.rem(base + i - lag, stages), base + i - lag, total)
+                            ring.release(lax.rem(base + i - 1, stages), base + i - 1, total)
 
                     lax.fori_loop(0, nk, step, None)
-                    gate, up = acc_g[...], acc_u[...]  # waits for the last pairs
-                    for i in range(max(nk - lag, 0), nk):  # the last steps' slots, in order
-                        ring.release(lax.rem(base + i, stages), base + i, total)
+                    gate, up = acc_g[...], acc_u[...]  # waits for the last pair
+                    ring.release(lax.rem(base + nk - 1, stages), base + nk - 1, total)
                     return gate, up
 
                 gate, up = pl.run_scoped(mac, plgpu.ACC((ROWS, bn), _F32), plgpu.ACC((ROWS, bn), _F32))
