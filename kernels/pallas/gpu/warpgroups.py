@@ -1,7 +1,7 @@
-"""Building blocks of the warp-specialised Mosaic GPU attention kernels (Hopper).
+"""Building blocks of the warp-specialised Mosaic GPU kernels (Hopper).
 
-Every kernel in kernels/pallas/gpu/attention_forward.py and attention_backward_kernels.py has one
-shape of CTA: `WGS` consumer warpgroups of `ROWS` rows each (the wgmma M; `CTA` rows together)
+Every kernel in kernels/pallas/gpu/attention_forward.py and attention_backward_kernels.py, and
+the gated MLP's warp-specialised forward (gated_mlp.py), has one shape of CTA: `WGS` consumer warpgroups of `ROWS` rows each (the wgmma M; `CTA` rows together)
 and one producer warpgroup that streams operands into a ring of SMEM slots by TMA. What they
 share lives here:
   * `named_barrier`, `SlotFree`, `PingPong`: synchronisation on hardware named barriers (and the
@@ -10,7 +10,7 @@ share lives here:
     tiles a balanced table gives it, in tile order;
   * `Mma`: acc + a @ b on the tensor cores, with the several-wgmmas-per-wait forms the kernels
     use, and its interpret-mode fallbacks (register LHS staged through SMEM);
-  * `launch`: the plgpu.kernel of such a CTA.
+  * `launch`: the plgpu.kernel of such a CTA (optionally in clusters of CTAs, `CLUSTER_AXIS`).
 One-warpgroup matmul kernels (newton_schulz) use `tma_wgmma_loop` (the TMA ring -> wgmma K loop)
 and `one_warpgroup_kernel` (their plgpu.kernel).
 """
