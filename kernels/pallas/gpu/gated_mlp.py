@@ -69,8 +69,9 @@ class GatedMLPPallasGpuConfig(KernelConfig):
     f32 accumulators per consumer); named_barriers: its ring slots are released on hardware named
     barriers instead of mbarriers (GPU only; interpret mode has none; not with clusters);
     cluster_m: 2 runs pairs of row-adjacent tiles on a 2-CTA cluster that multicasts the shared
-    gate/up tiles (each CTA fetches half), a third less L2 -> SMEM traffic per FLOP. SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or
-    64 KiB (backward); warp-specialised, stages * (16 + block_n / 4) KiB + block_n / 4 KiB."""
+    gate/up tiles (each CTA fetches half), a third less L2 -> SMEM traffic per FLOP.
+    SMEM: stages * 32 KiB + 16 KiB (one-warpgroup forward) or 64 KiB (backward);
+    warp-specialised, stages * (16 + block_n / 4) KiB + block_n / 4 KiB."""
 
     stages: int = 4
     group_m: int = 16
@@ -246,13 +247,11 @@ def _call(x, wg, wu, dh, *, n, up_offset, activation, want_h, config):
 
 
 def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
-    """h = act(x @ wg) * (x @ wu) [Mp, N] by the persistent producer/consumer kernel (module doc)."""
-    m, k = x.shape
+    """h = act(x @ wg) * (x @ wu) [Mp, N] by the persistent producer/consumer kernel (module doc);
+    x `[Mp, K]` with Mp a multiple of CTA * cluster_m (whole clusters of row tiles)."""
+    mp, k = x.shape
     dt = x.dtype
     bn, stages, interpret, cm = config.block_n, config.stages, interpret_enabled(), config.cluster_m
-    mp = -(-m // (CTA * cm)) * CTA * cm  # whole clusters of row tiles
-    if mp != m:
-        x = jnp.pad(x, ((0, mp - m), (0, 0)))
     nk, blocks_m, blocks_n = k // _TK, mp // (CTA * cm), n // bn
     schedule = Schedule.of(lambda t: jnp.int32(nk), (blocks_m * blocks_n, 1, 1), persistent=True, interpret=interpret,
                            cluster=cm)
@@ -341,13 +340,13 @@ def _warp_specialized_forward(x, wg, wu, *, n, up_offset, activation, config):
                   cluster=cm)
     if interpret:  # the interpreter's effects would block jax.checkpoint: hide them
         call = without_effects(call, out_type)
-    return call(x, wg, wu, schedule.input())[:m]
+    return call(x, wg, wu, schedule.input())
 
 
-def _operands(x, w_gate, w_up):
+def _operands(x, w_gate, w_up, row_multiple: int = _BM):
     m, k = x.shape
     n = hidden_size(w_gate, w_up)
-    mp = -(-m // _BM) * _BM
+    mp = -(-m // row_multiple) * row_multiple
     xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
     if w_up is None:
         w = w_gate.reshape(k, 2 * n)
@@ -356,8 +355,11 @@ def _operands(x, w_gate, w_up):
 
 
 def forward(x, w_gate, w_up, *, activation, config):
-    m, n, xp, wg, wu, off = _operands(x, w_gate, w_up)
-    if config.warp_specialized and n % config.block_n == 0:
+    n = hidden_size(w_gate, w_up)
+    warp_specialized = config.warp_specialized and n % config.block_n == 0
+    rows = CTA * config.cluster_m if warp_specialized else _BM
+    m, n, xp, wg, wu, off = _operands(x, w_gate, w_up, rows)
+    if warp_specialized:
         h = _warp_specialized_forward(xp, wg, wu, n=n, up_offset=off, activation=activation, config=config)
     else:
         (h,) = _call(xp, wg, wu, None, n=n, up_offset=off, activation=activation, want_h=False, config=config)

@@ -1,9 +1,9 @@
 """Building blocks of the warp-specialised Mosaic GPU kernels (Hopper).
 
 Every kernel in kernels/pallas/gpu/attention_forward.py and attention_backward_kernels.py, and
-the gated MLP's warp-specialised forward (gated_mlp.py), has one shape of CTA: `WGS` consumer warpgroups of `ROWS` rows each (the wgmma M; `CTA` rows together)
-and one producer warpgroup that streams operands into a ring of SMEM slots by TMA. What they
-share lives here:
+the gated MLP's warp-specialised forward (gated_mlp.py), has one shape of CTA: `WGS` consumer
+warpgroups of `ROWS` rows each (the wgmma M; `CTA` rows together) and one producer warpgroup
+that streams operands into a ring of SMEM slots by TMA. What they share lives here:
   * `named_barrier`, `SlotFree`, `PingPong`: synchronisation on hardware named barriers (and the
     mbarriers that stand in for them in interpret mode);
   * `balance`, `Schedule`: one CTA per tile, or a persistent grid (one CTA per SM) running the
